@@ -1,0 +1,115 @@
+"""kerasdist: distributed training and model optimization for Keras 3 as a one-word choice.
+
+    import kerasdist
+    model.compile(loss=..., optimizer=..., distribute="mirrored")
+"""
+
+from .cluster import ClusterInfo
+from .devices import cpu_replicas_from_env as _cpu_replicas_from_env, split_cpu
+from .errors import (BackendError, ClusterConfigError, DuplicatePluginError, KerasdistError,
+                     PluginUnavailableError, PluginValidationError, StrategyConflictError,
+                     UnknownPluginError)
+from .hookspecs import hookimpl
+from .specs import OptimizationSpec, Plan, PluginSpec, StrategySpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError", "ClusterConfigError", "ClusterInfo", "DuplicatePluginError", "KerasdistError",
+    "OptimizationSpec", "Plan", "PluginSpec", "PluginUnavailableError", "PluginValidationError",
+    "StrategyConflictError", "StrategySpec", "UnknownPluginError", "detect_cluster", "export",
+    "hookimpl", "list_plugins", "register_plugin", "spec", "split_cpu", "strategy_of",
+    "unregister_plugin",
+]
+
+
+def spec(name, **options):
+    """The spec of a registered plugin: ``kerasdist.spec("mirrored", devices=[...])``."""
+    from .manager import get_system
+
+    return get_system().registry.get(name).create(**options)
+
+
+def list_plugins():
+    """Every plugin known to this process, as dicts (what ``kerasdist plugins --json`` prints)."""
+    from .manager import get_system
+
+    return get_system().registry.rows()
+
+
+def register_plugin(plugin, name=None):
+    """Register a plugin object or module in this process (no entry point needed)."""
+    from .manager import get_system
+
+    return get_system().add_plugin(plugin, name=name)
+
+
+def unregister_plugin(name):
+    from .manager import get_system
+
+    get_system().remove_plugin(name)
+
+
+def detect_cluster():
+    """The :class:`ClusterInfo` this process belongs to (``ClusterInfo.local()`` if none)."""
+    from .manager import get_system
+
+    return get_system().detect_cluster()
+
+
+def strategy_of(model):
+    """The strategy a model compiled with ``distribute=`` runs under, or None."""
+    from .session import session_of
+
+    session = session_of(model)
+    return session.strategy if session else None
+
+
+def export(model, filepath, format, **options):
+    """Post-training conversion through a registered exporter (``kerasdist plugins``)."""
+    from .manager import get_system
+
+    entry = get_system().registry.get(format, kinds=("export",))
+    reason = entry.unavailable_reason()
+    if reason:
+        raise PluginUnavailableError(f"Export format {entry.name!r} cannot run here: {reason}.")
+    return entry.factory(model, filepath, **options)
+
+
+def __getattr__(name):
+    """``kerasdist.<plugin name>(**options)`` builds that plugin's spec, e.g. ``kerasdist.mirrored()``."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    from .manager import get_system
+
+    entry = get_system().registry.entries.get(name.lower())
+    if entry is None or entry.kind == "export":
+        raise AttributeError(f"module 'kerasdist' has no attribute {name!r} (and no plugin named {name!r}; "
+                             "run `kerasdist plugins`)")
+    return entry.create
+
+
+def _setup():
+    import os
+
+    count = _cpu_replicas_from_env()
+    if count is not None:
+        split_cpu(count)
+    from .integration import install
+
+    install()
+    if any(var in os.environ for var in _CLUSTER_HINT_VARS):
+        from .manager import get_system
+
+        system = get_system()
+        cluster = system.detect_cluster()
+        if not cluster.is_local:
+            system.hook.kerasdist_process_start(cluster=cluster, environ=system.environ)
+
+
+#: Only these make ``import kerasdist`` load plugins early (to detect a cluster).
+_CLUSTER_HINT_VARS = ("TF_CONFIG", "SLURM_PROCID", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                      "KERASDIST_CLUSTER")
+
+
+_setup()

@@ -1,0 +1,52 @@
+"""Local devices: split the CPU into N logical devices so "mirrored" has N replicas."""
+
+import os
+
+from .errors import KerasdistError
+
+CPU_REPLICAS_VAR = "KERASDIST_CPU_REPLICAS"
+
+
+def cpu_replicas_from_env(environ=None):
+    environ = os.environ if environ is None else environ
+    value = environ.get(CPU_REPLICAS_VAR, "").strip()
+    if not value:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise KerasdistError(f"{CPU_REPLICAS_VAR}={value!r} is not valid: give a whole number >= 1 "
+                             "(the number of logical CPU devices, e.g. 2).")
+    return count
+
+
+def split_cpu(count):
+    """Make ``count`` logical CPU devices; must run before TensorFlow initializes its devices."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == count:
+        return
+    try:
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+    except RuntimeError as exc:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have == count:
+            return
+        raise KerasdistError(
+            f"{CPU_REPLICAS_VAR}={count} came too late: TensorFlow already initialized {have} CPU "
+            "device(s). Import kerasdist before running any TensorFlow or Keras operation "
+            f"(or call kerasdist.split_cpu({count}) first thing).") from exc
+
+
+def local_replica_devices():
+    """Devices a single-process "mirrored" uses: all GPUs, else all logical CPUs."""
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    if gpus:
+        return [d.name for d in gpus]
+    return [d.name for d in tf.config.list_logical_devices("CPU")]

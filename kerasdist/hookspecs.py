@@ -1,0 +1,159 @@
+"""The hook specifications: the single contract between kerasdist and its plugins.
+
+Every plugin, built-in or third-party, is a module (or object) with functions
+marked ``@kerasdist.hookimpl`` whose names match the specs below. A hook
+implementation may accept any subset of the spec's arguments.
+
+Lifecycle of ``model.compile(..., distribute=X)``::
+
+    registration  kerasdist_register_strategies / _optimizations / _exporters
+    import        kerasdist_detect_cluster -> kerasdist_process_start (clusters only)
+    resolution    kerasdist_detect_cluster -> kerasdist_auto_strategy ("auto" only)
+    compile       kerasdist_create_strategy -> (model moved under the strategy)
+                  -> kerasdist_prepare_model -> kerasdist_adjust_compile
+    fit/evaluate/predict
+                  kerasdist_prepare_dataset -> kerasdist_adjust_call -> kerasdist_run_call
+    export        kerasdist.export(model, path, format) -> the registered exporter
+
+Hooks that take a ``spec`` are called once per spec in the plan (the strategy
+spec first, then each optimization spec, in the order given); an
+implementation returns ``None``/does nothing for specs that are not its own.
+"""
+
+import pluggy
+
+PROJECT = "kerasdist"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# -- registration -------------------------------------------------------------
+
+@hookspec
+def kerasdist_register_strategies(register):
+    """Register strategy plugins.
+
+    :param register: ``register(name, spec_class, *, description, aliases=(),
+        requires=(), extra=None, backends=("tensorflow",), check=None,
+        override=False, **defaults)``. ``spec_class`` subclasses
+        :class:`kerasdist.StrategySpec`; ``requires`` lists importable module names
+        checked without importing them; ``extra`` names the pip extra that installs
+        them; ``check()`` returns a reason string when the plugin cannot run here.
+    """
+
+
+@hookspec
+def kerasdist_register_optimizations(register):
+    """Register optimization plugins (pruning, quantization, ...).
+
+    :param register: as for :func:`kerasdist_register_strategies`, with
+        ``spec_class`` a subclass of :class:`kerasdist.OptimizationSpec`.
+    """
+
+
+@hookspec
+def kerasdist_register_exporters(register):
+    """Register post-training export formats used by :func:`kerasdist.export`.
+
+    :param register: ``register(format, export_function, *, description, requires=(),
+        extra=None, check=None, override=False)``; ``export_function(model,
+        filepath, **options)`` writes the file and returns a result object or path.
+    """
+
+
+# -- resolution ---------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def kerasdist_detect_cluster(environ):
+    """Describe the cluster this process belongs to, or return None.
+
+    Stops at the first non-None result.
+
+    :param environ: the process environment (a mapping).
+    :return: a :class:`kerasdist.ClusterInfo` or None.
+    """
+
+
+@hookspec(firstresult=True)
+def kerasdist_auto_strategy(cluster):
+    """Name the strategy ``distribute="auto"`` should use, or None to pass.
+
+    Stops at the first non-None result.
+
+    :param cluster: the :class:`kerasdist.ClusterInfo` detected (never None; a
+        single local process is ``ClusterInfo.local()``).
+    """
+
+
+# -- compile ------------------------------------------------------------------
+
+@hookspec(firstresult=True)
+def kerasdist_create_strategy(spec, cluster):
+    """Create the ``tf.distribute.Strategy`` for ``spec``; None if ``spec`` is not yours.
+
+    Stops at the first non-None result.
+
+    :param spec: the :class:`kerasdist.StrategySpec` being resolved.
+    :param cluster: the detected :class:`kerasdist.ClusterInfo`.
+    """
+
+
+@hookspec
+def kerasdist_prepare_model(model, strategy, spec):
+    """Act on the model once it lives under ``strategy``, before compile.
+
+    Called for every spec of the plan. Use it to broadcast initial state,
+    wrap layers, or record per-model state.
+    """
+
+
+@hookspec
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    """Change the arguments of the real ``compile`` in place (e.g. wrap the optimizer).
+
+    :param compile_kwargs: dict of the ``compile`` arguments, ``optimizer``
+        already an optimizer instance.
+    """
+
+
+# -- fit / evaluate / predict -------------------------------------------------
+
+@hookspec(firstresult=True)
+def kerasdist_prepare_dataset(dataset, method, model, strategy, spec):
+    """Return a replacement for a ``tf.data.Dataset`` input (shard, rebatch), or None.
+
+    Stops at the first non-None result.
+
+    :param method: "fit", "evaluate" or "predict".
+    """
+
+
+@hookspec
+def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
+    """Change the arguments of ``fit``/``evaluate``/``predict`` in place.
+
+    Typical uses: add callbacks, silence output on non-chief workers, redirect
+    checkpoint paths. ``call_kwargs["callbacks"]`` is always a list.
+    """
+
+
+@hookspec(firstresult=True)
+def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
+    """Run ``fit``/``evaluate``/``predict`` yourself and return its result, or None.
+
+    Stops at the first non-None result. ``call(**call_kwargs)`` runs Keras's own
+    method. For strategies that Keras's loop cannot drive (parameter server).
+    """
+
+
+# -- process start -------------------------------------------------------------
+
+@hookspec
+def kerasdist_process_start(cluster, environ):
+    """Called once, at ``import kerasdist``, when a cluster was detected
+    (``kerasdist_detect_cluster`` returned a non-local :class:`kerasdist.ClusterInfo`),
+    before the user's code runs any TensorFlow op.
+
+    Set up what must exist at program start, e.g. collective ops for
+    multi-worker training. Keep it cheap: it runs in every worker process.
+    """

@@ -1,0 +1,65 @@
+"""Turns a ``distribute=`` value into a checked :class:`~kerasdist.specs.Plan`."""
+
+from .errors import KerasdistError, PluginUnavailableError, BackendError
+from .specs import Plan, PluginSpec, StrategyInstance
+
+ACCEPTED = ("a plugin name such as 'mirrored' (see `kerasdist plugins`), 'auto', a tf.distribute.Strategy, "
+            "a spec such as kerasdist.mirrored(devices=[...]), a list of these, or None")
+
+
+def resolve_plan(distribute, system, cluster):
+    """Resolve, then check every spec can run here; raises a KerasdistError otherwise."""
+    plan = Plan.combine(_specs(distribute, system, cluster))
+    for spec in plan.specs:
+        check_available(spec, system)
+    return plan
+
+
+def _specs(value, system, cluster):
+    if isinstance(value, Plan):
+        return list(value.specs)
+    if isinstance(value, PluginSpec):
+        return [value]
+    if isinstance(value, str):
+        return [_named(value, system, cluster)]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise KerasdistError(f"distribute={value!r} is empty; expected {ACCEPTED}.")
+        return [spec for item in value for spec in _specs(item, system, cluster)]
+    if _is_tf_strategy(value):
+        return [StrategyInstance(value)]
+    raise KerasdistError(f"distribute= got {value!r} of type {type(value).__name__}; expected {ACCEPTED}.")
+
+
+def _named(name, system, cluster):
+    if name.strip().lower() == "auto":
+        name = system.hook.kerasdist_auto_strategy(cluster=cluster)
+        if name is None:
+            raise KerasdistError("distribute='auto' found no strategy plugin for this machine; "
+                                 "name one explicitly (see `kerasdist plugins`).")
+    return system.registry.get(name).create()
+
+
+def _is_tf_strategy(value):
+    import tensorflow as tf
+
+    return isinstance(value, tf.distribute.Strategy)
+
+
+def entry_for(spec, system):
+    """The registry entry a spec was created from, or None for unregistered specs."""
+    if isinstance(spec, StrategyInstance):
+        return None
+    entry = system.registry.entries.get(spec.name)
+    return entry if entry is not None and isinstance(spec, entry.factory) else None
+
+
+def check_available(spec, system):
+    entry = entry_for(spec, system)
+    if entry is None:
+        return
+    reason = entry.unavailable_reason()
+    if reason is None:
+        return
+    error = BackendError if entry.backend_reason() else PluginUnavailableError
+    raise error(f"distribute={entry.name!r} cannot run here: {reason}.")

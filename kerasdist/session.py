@@ -1,0 +1,126 @@
+"""What ``compile(distribute=...)`` does, and how fit/evaluate/predict then run."""
+
+import inspect
+import threading
+
+from . import _keras_internals as internals
+from .errors import PluginValidationError, StrategyConflictError
+from .manager import get_system
+from .resolve import resolve_plan
+from .specs import StrategyInstance, spec_key
+
+_strategies = {}
+_strategies_lock = threading.Lock()
+
+
+def strategy_for(spec, cluster, system):
+    """The strategy for ``spec``, created once per process (collective ops allow no second set-up)."""
+    if spec is None:
+        import tensorflow as tf
+
+        return tf.distribute.get_strategy()
+    if isinstance(spec, StrategyInstance):
+        return spec.strategy
+    key = spec_key(spec)
+    with _strategies_lock:
+        if key not in _strategies:
+            strategy = system.hook.kerasdist_create_strategy(spec=spec, cluster=cluster)
+            if strategy is None:
+                raise PluginValidationError(
+                    f"Strategy {spec.name!r} is registered but no plugin's kerasdist_create_strategy "
+                    f"returned a strategy for {spec!r}.")
+            _strategies[key] = strategy
+        return _strategies[key]
+
+
+class Session:
+    """A model's distribution: the plan, the strategy and the cluster it runs on."""
+
+    def __init__(self, plan, strategy, cluster, system):
+        self.plan, self.strategy, self.cluster, self.system = plan, strategy, cluster, system
+
+    def each_spec(self, hook_name, **kwargs):
+        hook = getattr(self.system.hook, hook_name)
+        return [hook(spec=spec, strategy=self.strategy, **kwargs) for spec in self.plan.specs]
+
+    def run(self, method, original, model, args, kwargs):
+        call_kwargs = _bind(original, model, args, kwargs)
+        call_kwargs["callbacks"] = list(call_kwargs.get("callbacks") or [])
+        with self.strategy.scope():
+            x = call_kwargs.get("x")
+            if _is_dataset(x):
+                for spec in self.plan.specs:
+                    replaced = self.system.hook.kerasdist_prepare_dataset(
+                        dataset=x, method=method, model=model, strategy=self.strategy, spec=spec)
+                    if replaced is not None:
+                        x = replaced
+                call_kwargs["x"] = x
+            self.each_spec("kerasdist_adjust_call", method=method, call_kwargs=call_kwargs, model=model)
+
+        def call(**kw):
+            return original(model, **kw)
+
+        for spec in self.plan.specs:
+            result = self.system.hook.kerasdist_run_call(
+                method=method, call=call, call_kwargs=call_kwargs, model=model,
+                strategy=self.strategy, spec=spec)
+            if result is not None:
+                return result
+        return call(**call_kwargs)
+
+
+def _is_dataset(value):
+    import tensorflow as tf
+
+    return isinstance(value, tf.data.Dataset)
+
+
+def _bind(function, model, args, kwargs):
+    bound = inspect.signature(function).bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop(next(iter(inspect.signature(function).parameters)))
+    return arguments
+
+
+def distributed_compile(model, original_compile, args, kwargs, distribute):
+    """compile(distribute=...): resolve the plan, move the model, compile under the strategy."""
+    import keras
+
+    system = get_system()
+    cluster = system.detect_cluster()
+    plan = resolve_plan(distribute, system, cluster)
+    strategy = strategy_for(plan.strategy, cluster, system)
+    _check_not_bound_elsewhere(model, strategy, plan)
+
+    compile_kwargs = _bind(original_compile, model, args, kwargs)
+    with strategy.scope():
+        optimizer = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
+    internals.move_to_strategy(model, strategy, optimizer)
+    compile_kwargs["optimizer"] = optimizer
+
+    session = Session(plan, strategy, cluster, system)
+    with strategy.scope():
+        session.each_spec("kerasdist_prepare_model", model=model)
+        session.each_spec("kerasdist_adjust_compile", compile_kwargs=compile_kwargs, model=model)
+        original_compile(model, **compile_kwargs)
+    model._kerasdist_session = session
+    return None
+
+
+def _check_not_bound_elsewhere(model, strategy, plan):
+    bound = internals.bound_strategy(model)
+    if bound is None or bound is strategy:
+        return
+    import tensorflow as tf
+
+    if bound is tf.distribute.get_strategy() and not tf.distribute.has_strategy():
+        return
+    raise StrategyConflictError(
+        f"This model is bound to {type(bound).__name__} (it was built or compiled under that strategy), "
+        f"so it cannot be compiled with distribute={plan.describe()!r}. Pass that strategy object as "
+        "distribute=, or build the model outside any strategy scope (or clone it with "
+        "keras.models.clone_model outside the scope) and compile again.")
+
+
+def session_of(model):
+    return getattr(model, "_kerasdist_session", None)

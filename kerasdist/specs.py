@@ -1,0 +1,89 @@
+"""Plugin specs: the objects ``distribute=`` accepts, and plans that combine them."""
+
+import dataclasses
+
+
+class PluginSpec:
+    """Options of one plugin use. Subclass as a dataclass; hooks read the fields."""
+
+    kind = "plugin"
+
+    @property
+    def name(self):
+        return getattr(self, "_kerasdist_name", None) or getattr(type(self), "registered_name", None) \
+            or type(self).__name__.lower()
+
+    def __add__(self, other):
+        return Plan.combine([self, other])
+
+    def __radd__(self, other):
+        return Plan.combine([other, self])
+
+
+class StrategySpec(PluginSpec):
+    """Base class of strategy plugin specs (one per plan)."""
+
+    kind = "strategy"
+
+
+class OptimizationSpec(PluginSpec):
+    """Base class of optimization plugin specs (any number per plan)."""
+
+    kind = "optimization"
+
+
+@dataclasses.dataclass(eq=False)
+class StrategyInstance(StrategySpec):
+    """A ``tf.distribute.Strategy`` object passed as is."""
+
+    strategy: object
+
+    @property
+    def name(self):
+        return type(self.strategy).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """At most one strategy spec plus optimization specs, in order."""
+
+    strategy: StrategySpec = None
+    optimizations: tuple = ()
+
+    @property
+    def specs(self):
+        return ((self.strategy,) if self.strategy is not None else ()) + tuple(self.optimizations)
+
+    @classmethod
+    def combine(cls, items):
+        from .errors import KerasdistError
+
+        strategy, optimizations = None, []
+        for item in items:
+            parts = item.specs if isinstance(item, Plan) else (item,)
+            for part in parts:
+                if isinstance(part, StrategySpec):
+                    if strategy is not None:
+                        raise KerasdistError(
+                            f"distribute= names two strategies, {strategy.name!r} and {part.name!r}; "
+                            "give at most one strategy plus any number of optimizations.")
+                    strategy = part
+                elif isinstance(part, OptimizationSpec):
+                    optimizations.append(part)
+                else:
+                    raise KerasdistError(f"Cannot combine {part!r} into a distribute= plan: "
+                                         "expected kerasdist strategy or optimization specs.")
+        return cls(strategy, tuple(optimizations))
+
+    def __add__(self, other):
+        return Plan.combine([self, other])
+
+    def describe(self):
+        return " + ".join(spec.name for spec in self.specs) or "(nothing)"
+
+
+def spec_key(spec):
+    """A hashable identity for a spec's options (strategies are cached per key)."""
+    if isinstance(spec, StrategyInstance):
+        return ("instance", id(spec.strategy))
+    return (type(spec).__module__, type(spec).__qualname__, spec.name, repr(spec))

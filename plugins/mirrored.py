@@ -1,0 +1,70 @@
+"""distribute="mirrored": synchronous data parallelism over the local devices."""
+
+import dataclasses
+from typing import Optional, Sequence
+
+import kerasdist
+
+
+@dataclasses.dataclass
+class Mirrored(kerasdist.StrategySpec):
+    """``tf.distribute.MirroredStrategy`` over ``devices`` (default: all GPUs, else all logical CPUs).
+
+    :param devices: device names such as ``["/gpu:0", "/gpu:1"]``.
+    :param cross_device_ops: "auto", "nccl", "hierarchical_copy" or "reduce_to_one".
+    """
+
+    devices: Optional[Sequence[str]] = None
+    cross_device_ops: str = "auto"
+
+
+_CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
+
+
+@kerasdist.hookimpl
+def kerasdist_register_strategies(register):
+    register("mirrored", Mirrored, aliases=("mirror",),
+             description="Synchronous data parallelism on this machine's GPUs or logical CPUs "
+                         "(tf.distribute.MirroredStrategy).")
+
+
+@kerasdist.hookimpl(trylast=True)
+def kerasdist_auto_strategy(cluster):
+    return "mirrored"
+
+
+@kerasdist.hookimpl
+def kerasdist_create_strategy(spec):
+    if not isinstance(spec, Mirrored):
+        return None
+    import tensorflow as tf
+
+    from kerasdist.devices import local_replica_devices
+
+    if spec.cross_device_ops not in _CROSS_DEVICE_OPS:
+        raise kerasdist.KerasdistError(
+            f"mirrored: cross_device_ops={spec.cross_device_ops!r} is not valid; choose one of "
+            f"{', '.join(_CROSS_DEVICE_OPS)}.")
+    devices = list(spec.devices) if spec.devices else local_replica_devices()
+    logical = [d.name for d in tf.config.list_logical_devices()]
+    known = {_canonical(d) for d in logical}
+    unknown = [d for d in devices if _canonical(d) not in known]
+    if unknown:
+        raise kerasdist.KerasdistError(
+            f"mirrored: device(s) {unknown} do not exist here; available: "
+            f"{logical}. Set KERASDIST_CPU_REPLICAS=N to make N logical CPUs.")
+    ops = {
+        "auto": None,
+        "nccl": lambda: tf.distribute.NcclAllReduce(),
+        "hierarchical_copy": lambda: tf.distribute.HierarchicalCopyAllReduce(),
+        "reduce_to_one": lambda: tf.distribute.ReductionToOneDevice(),
+    }[spec.cross_device_ops]
+    return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops() if ops else None)
+
+
+def _canonical(device):
+    """'/cpu:1', '/device:CPU:1' and '/job:localhost/device:CPU:1' all name ('CPU', 1)."""
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    return ((spec.device_type or "").upper(), spec.device_index or 0)
