@@ -14,29 +14,36 @@ _originals = {}
 
 
 def install():
-    """Patch ``keras.Model`` once per process (idempotent)."""
-    import keras
+    """Patch the Keras trainer once per process (idempotent).
 
+    Each method is replaced on the class that defines it (for ``compile``, the
+    backend-independent Trainer): Keras compares ``type(model).compile`` with that
+    class's to tell a user-overridden ``compile``, e.g. when loading a saved model.
+    """
     if _originals:
         return
-    _originals["compile"] = keras.Model.compile
-    keras.Model.compile = _make_compile(keras.Model.compile)
-    for name in METHODS:
-        _originals[name] = getattr(keras.Model, name)
-        setattr(keras.Model, name, _make_call(name, _originals[name]))
+    for name in ("compile",) + METHODS:
+        owner = _defining_class(name)
+        _originals[name] = (owner, owner.__dict__[name])
+        wrap = _make_compile if name == "compile" else _make_call(name)
+        setattr(owner, name, wrap(owner.__dict__[name]))
 
 
 def uninstall():
     """Restore Keras's own methods."""
-    import keras
-
-    for name, original in _originals.items():
-        setattr(keras.Model, name, original)
+    for name, (owner, method) in _originals.items():
+        setattr(owner, name, method)
     _originals.clear()
 
 
+def _defining_class(name):
+    import keras
+
+    return next(cls for cls in keras.Model.__mro__ if name in cls.__dict__)
+
+
 def original(name):
-    return _originals[name]
+    return _originals[name][1]
 
 
 def _make_compile(original_compile):
@@ -55,12 +62,15 @@ def _make_compile(original_compile):
     return compile
 
 
-def _make_call(name, original_method):
-    @functools.wraps(original_method)
-    def method(self, *args, **kwargs):
-        session = self.__dict__.get("_kerasdist_session")
-        if session is None:
-            return original_method(self, *args, **kwargs)
-        return session.run(name, original_method, self, args, kwargs)
+def _make_call(name):
+    def wrap(original_method):
+        @functools.wraps(original_method)
+        def method(self, *args, **kwargs):
+            session = self.__dict__.get("_kerasdist_session")
+            if session is None:
+                return original_method(self, *args, **kwargs)
+            return session.run(name, original_method, self, args, kwargs)
 
-    return method
+        return method
+
+    return wrap

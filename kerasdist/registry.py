@@ -161,6 +161,13 @@ class Registry:
 
     def get(self, name, kinds=("strategy", "optimization")):
         entry = self._lookup(name)
+        if entry is None:
+            failure = next((f for f in self.failures if f.name == normalize(name)), None)
+            if failure is not None:
+                from .errors import PluginUnavailableError
+
+                hint = f" Fix: {failure.hint}" if failure.hint else ""
+                raise PluginUnavailableError(f"Plugin {failure.name!r} is not usable: {failure.reason}.{hint}")
         if entry is None or entry.kind not in kinds:
             kind = "export format" if kinds == ("export",) else "plugin"
             raise UnknownPluginError(name, self.names(kinds), kind=kind)

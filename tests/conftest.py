@@ -1,0 +1,25 @@
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The in-process tests use 2 logical CPU replicas; subprocess tests set their own environment.
+os.environ.setdefault("KERASDIST_CPU_REPLICAS", "2")
+
+import pytest  # noqa: E402
+
+import kerasdist  # noqa: E402,F401  (splits the CPU before any TF op)
+from kerasdist.manager import PluginSystem, get_system, reset_system  # noqa: E402
+
+
+@pytest.fixture
+def fresh_system(monkeypatch):
+    """A plugin system without entry points, installed process-wide for the test only."""
+    previous = get_system()
+    system = PluginSystem(environ={}, load_entrypoints=False)
+    reset_system(system)
+    yield system
+    reset_system(previous)
+
+
+@pytest.fixture
+def system():
+    return get_system()

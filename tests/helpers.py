@@ -1,0 +1,53 @@
+"""Helpers for tests that start real processes: loopback only, always a timeout, nothing left behind."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+
+
+def free_port():
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra):
+    """The environment for a child Python process: no inherited cluster or replica settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KERASDIST_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_")) and k != "TF_CONFIG"}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.update({k: str(v) for k, v in extra.items() if v is not None})
+    return env
+
+
+def run(cmd, timeout, env=None, cwd=ROOT, check=True):
+    """Run ``cmd`` in its own process group; kill the whole group on timeout. Returns CompletedProcess."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout}s; output:\n{out[-4000:]}")
+    finally:
+        kill_group(proc)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} exited {proc.returncode}; output:\n{out[-6000:]}")
+    return result
+
+
+def kill_group(proc):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def python(*args):
+    return [PYTHON, *args]

@@ -1,0 +1,159 @@
+"""distribute="mirrored": numerical equality with one device, and the MirroredStrategy tutorial flow."""
+
+import glob
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasdist
+from tests.helpers import child_env, python, run
+
+STEPS, GLOBAL_BATCH = 20, 32
+
+
+def _data(n=STEPS * GLOBAL_BATCH, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = (x @ rng.normal(size=(6, 1)) + 0.1).astype("float32")
+    return x, y
+
+
+def _mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+
+
+def _train(distribute, optimizer_factory, pretrain_steps=0):
+    x, y = _data()
+    model = _mlp()
+    optimizer = optimizer_factory()
+    if pretrain_steps:  # a model (and optimizer) trained before compile(distribute=...)
+        model.compile(optimizer=optimizer, loss="mse")
+        n = pretrain_steps * GLOBAL_BATCH
+        model.fit(x[:n], y[:n], batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
+        x, y = x[n:], y[n:]
+    model.compile(optimizer=optimizer, loss="mse", distribute=distribute)
+    model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, epochs=1, verbose=0)
+    return model, optimizer
+
+
+def _max_weight_difference(a, b):
+    return max(float(np.max(np.abs(u.numpy() - v.numpy()))) for u, v in zip(a.weights, b.weights))
+
+
+def test_two_replicas_equal_one_device_after_20_sgd_steps():
+    sgd = lambda: keras.optimizers.SGD(learning_rate=0.05)  # noqa: E731
+    single, _ = _train(None, sgd)
+    mirrored, optimizer = _train("mirrored", sgd)
+    assert mirrored.distribute_strategy.num_replicas_in_sync == 2
+    assert int(optimizer.iterations.numpy()) == STEPS
+    difference = _max_weight_difference(single, mirrored)
+    print(f"max |w_mirrored - w_single| after {STEPS} SGD steps, global batch {GLOBAL_BATCH}: {difference:.3g}")
+    assert difference <= 1e-5
+    assert _max_weight_difference(single, _mlp()) > 1e-2  # training moved the weights: the test can fail
+
+
+def test_model_and_adam_state_trained_before_compile_are_carried_over():
+    adam = lambda: keras.optimizers.Adam(learning_rate=0.01)  # noqa: E731
+    single, single_opt = _train(None, adam, pretrain_steps=5)
+    mirrored, mirrored_opt = _train("mirrored", adam, pretrain_steps=5)
+    assert int(mirrored_opt.iterations.numpy()) == STEPS
+    assert all(isinstance(v.value, tf.distribute.DistributedValues) for v in mirrored_opt.variables)
+    assert _max_weight_difference(single, mirrored) <= 1e-5
+    for a, b in zip(single_opt.variables, mirrored_opt.variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+def test_batchnorm_statistics_dropout_seed_and_metrics_move_with_values():
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                              keras.layers.Dropout(0.2), keras.layers.Dense(1)])
+    x, y = _data(128)
+    model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(x, y, batch_size=32, verbose=0)
+    before = {v.path: v.numpy().copy() for v in model.variables}
+    evaluation = model.evaluate(x, y, verbose=0)
+    model.compile(optimizer=model.optimizer, loss="mse", metrics=["mae"], distribute="mirrored")
+    for variable in model.variables:
+        assert isinstance(variable.value, tf.distribute.DistributedValues), variable.path
+        np.testing.assert_array_equal(before[variable.path], variable.numpy())
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), evaluation, rtol=1e-5)
+    model.fit(x, y, batch_size=32, verbose=0)
+    assert kerasdist.strategy_of(model) is model.distribute_strategy
+
+
+class PrintLR(keras.callbacks.Callback):
+    """The tutorial's custom callback: reads the optimizer's learning rate each epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+def _decay(epoch):
+    return 1e-2 if epoch < 1 else (1e-3 if epoch < 2 else 1e-4)
+
+
+def _tutorial_data(n=256):
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, size=n)
+    images = rng.normal(0, 0.2, size=(n, 12, 12, 1)).astype("float32")
+    for k in range(10):
+        images[labels == k, k, :, 0] += 1.0
+    return tf.data.Dataset.from_tensor_slices((images, labels)).batch(32), images, labels
+
+
+@pytest.mark.timeout(300)
+def test_tutorial_flow_callbacks_checkpoints_save_and_load(tmp_path):
+    train, images, labels = _tutorial_data()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((12, 12, 1)), keras.layers.Conv2D(8, 3, activation="relu"), keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  optimizer=keras.optimizers.Adam(), metrics=["accuracy"], distribute="mirrored")
+    print_lr = PrintLR()
+    checkpoints = tmp_path / "ckpt_{epoch}.weights.h5"
+    model.fit(train, epochs=3, verbose=0, callbacks=[
+        keras.callbacks.TensorBoard(log_dir=str(tmp_path / "logs")),
+        keras.callbacks.ModelCheckpoint(filepath=str(checkpoints), save_weights_only=True),
+        keras.callbacks.LearningRateScheduler(_decay), print_lr])
+    assert print_lr.seen == pytest.approx([1e-2, 1e-3, 1e-4])
+    assert sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "ckpt_*"))) == [
+        "ckpt_1.weights.h5", "ckpt_2.weights.h5", "ckpt_3.weights.h5"]
+    assert glob.glob(str(tmp_path / "logs" / "train" / "events.out.tfevents.*"))
+
+    reference = model.evaluate(train, verbose=0)
+    model.load_weights(str(tmp_path / "ckpt_3.weights.h5"))
+    np.testing.assert_allclose(model.evaluate(train, verbose=0), reference, rtol=1e-5)
+    assert reference[1] > 0.5
+
+    saved = tmp_path / "m.keras"
+    model.save(saved)
+    np.save(tmp_path / "x.npy", images)
+    np.save(tmp_path / "y.npy", labels)
+    code = (  # a process that never imports kerasdist
+        "import sys, numpy as np, keras\n"
+        f"m = keras.models.load_model({str(saved)!r})\n"
+        f"x, y = np.load({str(tmp_path / 'x.npy')!r}), np.load({str(tmp_path / 'y.npy')!r})\n"
+        "print('EVAL', *m.evaluate(x, y, batch_size=32, verbose=0))\n"
+        "print('KERASDIST_LOADED', 'kerasdist' in sys.modules)\n")
+    out = run(python("-c", code), timeout=180, env=child_env()).stdout
+    plain = [float(v) for v in out.split("EVAL", 1)[1].split()[:2]]
+    assert "KERASDIST_LOADED False" in out
+    np.testing.assert_allclose(plain, reference, rtol=1e-5)
+
+    loaded = keras.models.load_model(saved)
+    loaded.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   optimizer=loaded.optimizer, metrics=["accuracy"], distribute="mirrored")
+    assert loaded.distribute_strategy.num_replicas_in_sync == 2
+    np.testing.assert_allclose(loaded.evaluate(train, verbose=0), reference, rtol=1e-5)
+    predictions = loaded.predict(images[:40], verbose=0)
+    np.testing.assert_allclose(predictions, model.predict(images[:40], verbose=0), atol=1e-5)
+    loaded.fit(train, epochs=1, verbose=0)  # and it keeps training under the strategy
