@@ -91,7 +91,8 @@ def kerasdist_auto_strategy(cluster):
 def kerasdist_create_strategy(spec, cluster):
     """Create the ``tf.distribute.Strategy`` for ``spec``; None if ``spec`` is not yours.
 
-    Stops at the first non-None result.
+    Stops at the first non-None result. Called once per distinct spec per process:
+    the strategy is reused by every later ``compile`` with an equal spec.
 
     :param spec: the :class:`kerasdist.StrategySpec` being resolved.
     :param cluster: the detected :class:`kerasdist.ClusterInfo`.

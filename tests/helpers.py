@@ -51,3 +51,21 @@ def kill_group(proc):
 
 def python(*args):
     return [PYTHON, *args]
+
+
+def write_plugin_distribution(directory, name, module_source, entry_points):
+    """Write an importable plugin module plus its .dist-info (entry points) into ``directory``.
+
+    Put ``directory`` on PYTHONPATH and importlib.metadata finds it like a pip-installed package.
+    """
+    os.makedirs(directory, exist_ok=True)
+    module = name.replace("-", "_")
+    with open(os.path.join(directory, module + ".py"), "w") as f:
+        f.write(module_source)
+    info = os.path.join(directory, f"{module}-1.0.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[kerasdist]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+    return directory

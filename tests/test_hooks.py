@@ -1,0 +1,226 @@
+"""One test per hook specification: each is called by the core as documented.
+
+tests/test_docs.py checks that this file has a ``test_hook_<name>`` for every hook.
+"""
+
+import dataclasses
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kerasdist
+import kerasdist_plugins.mirrored
+from tests.helpers import child_env, python, run, write_plugin_distribution
+
+
+@dataclasses.dataclass
+class Record(kerasdist.OptimizationSpec):
+    tag: str = "r"
+
+
+class Recorder:
+    """Implements every hook and records how it was called."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _seen(self, hook, **info):
+        self.calls.append((hook, info))
+
+    def called(self, hook):
+        return [info for name, info in self.calls if name == hook]
+
+    @kerasdist.hookimpl
+    def kerasdist_register_strategies(self, register):
+        self._seen("kerasdist_register_strategies")
+
+    @kerasdist.hookimpl
+    def kerasdist_register_optimizations(self, register):
+        register("record", Record, description="records hook calls", backends=())
+        self._seen("kerasdist_register_optimizations")
+
+    @kerasdist.hookimpl
+    def kerasdist_register_exporters(self, register):
+        def export_npz(model, filepath, compress=False):
+            (np.savez_compressed if compress else np.savez)(filepath, *[w.numpy() for w in model.weights])
+            return filepath
+        register("npz", export_npz, description="weights as .npz", backends=())
+        self._seen("kerasdist_register_exporters")
+
+    @kerasdist.hookimpl
+    def kerasdist_detect_cluster(self, environ):
+        self._seen("kerasdist_detect_cluster", environ=environ)
+        if environ.get("RECORDER_CLUSTER"):
+            return kerasdist.ClusterInfo(cluster={"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, source="recorder")
+
+    @kerasdist.hookimpl(tryfirst=True)
+    def kerasdist_auto_strategy(self, cluster):
+        self._seen("kerasdist_auto_strategy", cluster=cluster)
+        return "mirrored" if cluster.source == "recorder" else None
+
+    @kerasdist.hookimpl(hookwrapper=True)
+    def kerasdist_create_strategy(self, spec, cluster):
+        outcome = yield
+        self._seen("kerasdist_create_strategy", spec=spec, strategy=outcome.get_result())
+
+    @kerasdist.hookimpl
+    def kerasdist_prepare_model(self, model, strategy, spec):
+        self._seen("kerasdist_prepare_model", spec=spec, strategy=strategy,
+                   moved=all(isinstance(v.value, tf.distribute.DistributedValues) for v in model.weights),
+                   in_scope=tf.distribute.get_strategy() is strategy)
+
+    @kerasdist.hookimpl
+    def kerasdist_adjust_compile(self, compile_kwargs, spec):
+        if isinstance(spec, Record):
+            compile_kwargs["metrics"] = list(compile_kwargs.get("metrics") or []) + ["mae"]
+        self._seen("kerasdist_adjust_compile", spec=spec, keys=sorted(compile_kwargs))
+
+    @kerasdist.hookimpl
+    def kerasdist_prepare_dataset(self, dataset, method, spec):
+        self._seen("kerasdist_prepare_dataset", method=method, spec=spec)
+        if isinstance(spec, Record) and method == "fit":
+            return dataset.take(2)
+
+    @kerasdist.hookimpl
+    def kerasdist_adjust_call(self, method, call_kwargs, spec):
+        if isinstance(spec, Record) and method == "fit":
+            call_kwargs["callbacks"].append(keras.callbacks.History())
+        self._seen("kerasdist_adjust_call", method=method, spec=spec, kwargs=dict(call_kwargs))
+
+    @kerasdist.hookimpl
+    def kerasdist_run_call(self, method, call, call_kwargs, spec):
+        self._seen("kerasdist_run_call", method=method, spec=spec)
+        if isinstance(spec, Record) and method == "evaluate":
+            return {"evaluated_by": "recorder", "result": call(**call_kwargs)}
+
+    @kerasdist.hookimpl
+    def kerasdist_process_start(self, cluster, environ):
+        self._seen("kerasdist_process_start", cluster=cluster)
+
+
+@pytest.fixture
+def recorder(fresh_system):
+    fresh_system.add_plugin(kerasdist_plugins.mirrored, name="mirrored")
+    plugin = Recorder()
+    fresh_system.add_plugin(plugin, name="recorder")
+    return plugin
+
+
+def _compiled(recorder, distribute=("mirrored", "record")):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd", distribute=list(distribute))
+    return model
+
+
+def _dataset():
+    return tf.data.Dataset.from_tensor_slices((np.ones((32, 4), "float32"), np.ones((32, 1), "float32"))).batch(4)
+
+
+def test_hook_kerasdist_register_strategies(recorder, fresh_system):
+    assert recorder.called("kerasdist_register_strategies") == [{}]
+    assert fresh_system.registry.get("mirrored").plugin == "mirrored"
+
+
+def test_hook_kerasdist_register_optimizations(recorder, fresh_system):
+    entry = fresh_system.registry.get("record")
+    assert entry.kind == "optimization" and entry.plugin == "recorder"
+    assert kerasdist.record(tag="x") == Record(tag="x")
+
+
+def test_hook_kerasdist_register_exporters(recorder, tmp_path):
+    model = _compiled(recorder)
+    path = kerasdist.export(model, str(tmp_path / "w.npz"), format="npz", compress=True)
+    assert len(np.load(path).files) == len(model.weights)
+    with pytest.raises(kerasdist.UnknownPluginError, match="export format 'nope'.*npz"):
+        kerasdist.export(model, str(tmp_path / "w"), format="nope")
+
+
+def test_hook_kerasdist_detect_cluster(recorder, fresh_system):
+    assert kerasdist.detect_cluster().is_local
+    fresh_system.environ = {"RECORDER_CLUSTER": "1"}
+    cluster = kerasdist.detect_cluster()
+    assert cluster.source == "recorder" and cluster.num_workers == 2
+
+
+def test_hook_kerasdist_auto_strategy(recorder, fresh_system):
+    fresh_system.environ = {"RECORDER_CLUSTER": "1"}
+    model = _compiled(recorder, distribute=["auto"])
+    assert recorder.called("kerasdist_auto_strategy")[-1]["cluster"].source == "recorder"
+    assert isinstance(model.distribute_strategy, tf.distribute.MirroredStrategy)
+
+
+def test_hook_kerasdist_create_strategy(recorder):
+    spec = kerasdist.mirrored(devices=["/cpu:1", "/cpu:0"])  # a spec no other test created
+    model = _compiled(recorder, distribute=[spec])
+    created = recorder.called("kerasdist_create_strategy")
+    assert len(created) == 1 and created[0]["spec"] == spec
+    assert created[0]["strategy"] is model.distribute_strategy
+    again = _compiled(recorder, distribute=[kerasdist.mirrored(devices=["/cpu:1", "/cpu:0"])])
+    assert len(recorder.called("kerasdist_create_strategy")) == 1  # once per distinct spec per process
+    assert again.distribute_strategy is model.distribute_strategy
+
+
+def test_hook_kerasdist_prepare_model(recorder):
+    _compiled(recorder)
+    calls = recorder.called("kerasdist_prepare_model")
+    assert [c["spec"].name for c in calls] == ["mirrored", "record"]  # strategy first, then optimizations
+    assert all(c["moved"] and c["in_scope"] for c in calls)
+
+
+def test_hook_kerasdist_adjust_compile(recorder):
+    model = _compiled(recorder)
+    assert "optimizer" in recorder.called("kerasdist_adjust_compile")[0]["keys"]
+    history = model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    assert "mae" in history.history  # the metric the hook added reached Keras's compile
+
+
+def test_hook_kerasdist_prepare_dataset(recorder):
+    model = _compiled(recorder)
+    model.fit(_dataset(), verbose=0)
+    assert {c["method"] for c in recorder.called("kerasdist_prepare_dataset")} == {"fit"}
+    assert int(model.optimizer.iterations.numpy()) == 2  # the hook's dataset.take(2) was used
+    model.predict(np.ones((4, 4)), verbose=0)  # numpy input: no dataset hook
+    assert {c["method"] for c in recorder.called("kerasdist_prepare_dataset")} == {"fit"}
+
+
+def test_hook_kerasdist_adjust_call(recorder):
+    model = _compiled(recorder)
+    user_callback = keras.callbacks.History()
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), epochs=1, verbose=0, callbacks=[user_callback])
+    fit_call = [c for c in recorder.called("kerasdist_adjust_call") if c["method"] == "fit"][-1]
+    assert fit_call["kwargs"]["callbacks"][0] is user_callback and len(fit_call["kwargs"]["callbacks"]) == 2
+    model.predict(np.ones((4, 4)), verbose=0)
+    assert "predict" in {c["method"] for c in recorder.called("kerasdist_adjust_call")}
+
+
+def test_hook_kerasdist_run_call(recorder):
+    model = _compiled(recorder)
+    result = model.evaluate(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    assert result["evaluated_by"] == "recorder" and len(result["result"]) == 2
+    assert model.predict(np.ones((4, 4)), verbose=0).shape == (4, 1)  # None: Keras's own predict ran
+
+
+def test_hook_kerasdist_process_start(tmp_path):
+    source = textwrap.dedent("""
+        import kerasdist
+
+        @kerasdist.hookimpl
+        def kerasdist_detect_cluster(environ):
+            if environ.get("KERASDIST_CLUSTER") == "recorder":
+                return kerasdist.ClusterInfo(task_index=1, cluster={"worker": ["a:1", "b:2"]}, source="recorder")
+
+        @kerasdist.hookimpl
+        def kerasdist_process_start(cluster, environ):
+            import tensorflow as tf
+            print("PROCESS_START", cluster.source, cluster.task_index, tf.executing_eagerly())
+    """)
+    write_plugin_distribution(str(tmp_path), "recorder-plugin", source, {"recorder": "recorder_plugin"})
+    code = "import kerasdist; print('IMPORTED')"
+    out = run(python("-c", code), timeout=120,
+              env=child_env(PYTHONPATH=str(tmp_path), KERASDIST_CLUSTER="recorder")).stdout
+    assert "PROCESS_START recorder 1 True" in out and out.index("PROCESS_START") < out.index("IMPORTED")
+    out = run(python("-c", code), timeout=120, env=child_env(PYTHONPATH=str(tmp_path))).stdout
+    assert "PROCESS_START" not in out
