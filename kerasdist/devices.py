@@ -50,3 +50,23 @@ def local_replica_devices():
     if gpus:
         return [d.name for d in gpus]
     return [d.name for d in tf.config.list_logical_devices("CPU")]
+
+
+def check_devices_exist(devices, plugin):
+    """Raise a KerasdistError naming any device in ``devices`` that this process does not have."""
+    import tensorflow as tf
+
+    logical = [d.name for d in tf.config.list_logical_devices()]
+    known = {_device_key(d) for d in logical}
+    unknown = [d for d in devices if _device_key(d) not in known]
+    if unknown:
+        raise KerasdistError(f"{plugin}: device(s) {unknown} do not exist here; available: {logical}. "
+                             f"Set {CPU_REPLICAS_VAR}=N to make N logical CPUs.")
+
+
+def _device_key(device):
+    """'/cpu:1', '/device:CPU:1' and '/job:localhost/device:CPU:1' all name ('CPU', 1)."""
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    return ((spec.device_type or "").upper(), spec.device_index or 0)

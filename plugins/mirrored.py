@@ -39,20 +39,14 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.devices import local_replica_devices
+    from kerasdist.devices import check_devices_exist, local_replica_devices
 
     if spec.cross_device_ops not in _CROSS_DEVICE_OPS:
         raise kerasdist.KerasdistError(
             f"mirrored: cross_device_ops={spec.cross_device_ops!r} is not valid; choose one of "
             f"{', '.join(_CROSS_DEVICE_OPS)}.")
     devices = list(spec.devices) if spec.devices else local_replica_devices()
-    logical = [d.name for d in tf.config.list_logical_devices()]
-    known = {_canonical(d) for d in logical}
-    unknown = [d for d in devices if _canonical(d) not in known]
-    if unknown:
-        raise kerasdist.KerasdistError(
-            f"mirrored: device(s) {unknown} do not exist here; available: "
-            f"{logical}. Set KERASDIST_CPU_REPLICAS=N to make N logical CPUs.")
+    check_devices_exist(devices, plugin="mirrored")
     ops = {
         "auto": None,
         "nccl": lambda: tf.distribute.NcclAllReduce(),
@@ -60,11 +54,3 @@ def kerasdist_create_strategy(spec):
         "reduce_to_one": lambda: tf.distribute.ReductionToOneDevice(),
     }[spec.cross_device_ops]
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops() if ops else None)
-
-
-def _canonical(device):
-    """'/cpu:1', '/device:CPU:1' and '/job:localhost/device:CPU:1' all name ('CPU', 1)."""
-    import tensorflow as tf
-
-    spec = tf.DeviceSpec.from_string(device)
-    return ((spec.device_type or "").upper(), spec.device_index or 0)

@@ -1,0 +1,39 @@
+"""distribute="central_storage": variables on one device, computation mirrored on the local devices."""
+
+import dataclasses
+from typing import Optional, Sequence
+
+import kerasdist
+
+
+@dataclasses.dataclass
+class CentralStorage(kerasdist.StrategySpec):
+    """``tf.distribute.experimental.CentralStorageStrategy``.
+
+    :param compute_devices: replica devices (default: all GPUs, else all logical CPUs).
+    :param parameter_device: where variables live (default: the CPU).
+    """
+
+    compute_devices: Optional[Sequence[str]] = None
+    parameter_device: Optional[str] = None
+
+
+@kerasdist.hookimpl
+def kerasdist_register_strategies(register):
+    register("central_storage", CentralStorage, aliases=("central-storage", "centralstorage"),
+             description="Variables on one device (the CPU by default), computation replicated on the local "
+                         "GPUs or logical CPUs; for models whose variables do not fit on every GPU.")
+
+
+@kerasdist.hookimpl
+def kerasdist_create_strategy(spec):
+    if not isinstance(spec, CentralStorage):
+        return None
+    import tensorflow as tf
+
+    from kerasdist.devices import check_devices_exist, local_replica_devices
+
+    devices = list(spec.compute_devices) if spec.compute_devices else local_replica_devices()
+    check_devices_exist(devices + ([spec.parameter_device] if spec.parameter_device else []),
+                        plugin="central_storage")
+    return tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device)
