@@ -50,6 +50,7 @@ def _make_compile(original_compile):
     @functools.wraps(original_compile)
     def compile(self, *args, distribute=None, **kwargs):
         if distribute is None:
+            self.__dict__.pop("_kerasdist_session", None)  # a plain re-compile is plain Keras again
             return original_compile(self, *args, **kwargs)
         return _session.distributed_compile(self, original_compile, args, kwargs, distribute)
 

@@ -273,3 +273,13 @@ def test_loading_a_compiled_model_still_compiles_it(tmp_path):
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert loaded.compiled and isinstance(loaded.optimizer, keras.optimizers.Adam)
+
+
+def test_plain_recompile_drops_kerasdist_from_the_model():
+    model = _model()
+    model.compile(loss="mse", optimizer="sgd", distribute="mirrored")
+    assert kerasdist.strategy_of(model) is not None
+    model.compile(loss="mse", optimizer="sgd")
+    assert kerasdist.strategy_of(model) is None
+    assert isinstance(model.distribute_strategy, tf.distribute.MirroredStrategy)  # as Keras keeps it
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
