@@ -73,7 +73,7 @@ def export(model, filepath, format, **options):
     reason = entry.unavailable_reason()
     if reason:
         raise PluginUnavailableError(f"Export format {entry.name!r} cannot run here: {reason}.")
-    return entry.factory(model, filepath, **options)
+    return entry.factory(model, filepath, **{**entry.defaults, **options})
 
 
 def __getattr__(name):

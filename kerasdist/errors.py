@@ -8,13 +8,13 @@ class KerasdistError(ValueError):
 
 
 class UnknownPluginError(KerasdistError):
-    def __init__(self, value, available, kind="plugin"):
+    def __init__(self, value, available, kind="plugin", where="distribute="):
         self.value, self.available = value, sorted(available)
         close = difflib.get_close_matches(str(value).lower(), self.available, n=1, cutoff=0.6)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         names = ", ".join(self.available) or "(none)"
         super().__init__(
-            f"Unknown {kind} {value!r} for distribute=. Available: {names}.{hint} "
+            f"Unknown {kind} {value!r} for {where}. Available: {names}.{hint} "
             "(A plugin may not be installed or may be disabled: run `kerasdist plugins`.)"
         )
 

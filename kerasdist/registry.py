@@ -169,8 +169,10 @@ class Registry:
                 hint = f" Fix: {failure.hint}" if failure.hint else ""
                 raise PluginUnavailableError(f"Plugin {failure.name!r} is not usable: {failure.reason}.{hint}")
         if entry is None or entry.kind not in kinds:
-            kind = "export format" if kinds == ("export",) else "plugin"
-            raise UnknownPluginError(name, self.names(kinds), kind=kind)
+            if kinds == ("export",):
+                raise UnknownPluginError(name, self.names(kinds), kind="export format",
+                                         where="kerasdist.export(format=...)")
+            raise UnknownPluginError(name, self.names(kinds))
         return entry
 
     def names(self, kinds=KINDS):

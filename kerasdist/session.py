@@ -4,7 +4,7 @@ import inspect
 import threading
 
 from . import _keras_internals as internals
-from .errors import PluginValidationError, StrategyConflictError
+from .errors import KerasdistError, PluginValidationError, StrategyConflictError
 from .manager import get_system
 from .resolve import resolve_plan
 from .specs import StrategyInstance, spec_key
@@ -93,6 +93,7 @@ def distributed_compile(model, original_compile, args, kwargs, distribute):
     _check_not_bound_elsewhere(model, strategy, plan)
 
     compile_kwargs = _bind(original_compile, model, args, kwargs)
+    _check_keras_limits(strategy, compile_kwargs)
     with strategy.scope():
         optimizer = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
     internals.move_to_strategy(model, strategy, optimizer)
@@ -105,6 +106,19 @@ def distributed_compile(model, original_compile, args, kwargs, distribute):
         original_compile(model, **compile_kwargs)
     model._kerasdist_session = session
     return None
+
+
+def _check_keras_limits(strategy, compile_kwargs):
+    """Refuse, with the fix, settings that stock Keras 3.15 cannot train under ``strategy``."""
+    import tensorflow as tf
+
+    steps = compile_kwargs.get("steps_per_execution", 1)
+    if (isinstance(steps, int) and steps > 1 and isinstance(strategy, tf.distribute.MirroredStrategy)
+            and strategy.num_replicas_in_sync > 1):
+        raise KerasdistError(
+            f"steps_per_execution={steps} with MirroredStrategy over {strategy.num_replicas_in_sync} replicas "
+            "fails inside TensorFlow in Keras 3.15 ('You must feed a value for placeholder tensor'); "
+            "use steps_per_execution=1 (the default).")
 
 
 def _check_not_bound_elsewhere(model, strategy, plan):

@@ -5,6 +5,7 @@ tests/test_docs.py checks that this file has a ``test_hook_<name>`` for every ho
 
 import dataclasses
 import textwrap
+import zipfile
 
 import keras
 import numpy as np
@@ -48,6 +49,7 @@ class Recorder:
             (np.savez_compressed if compress else np.savez)(filepath, *[w.numpy() for w in model.weights])
             return filepath
         register("npz", export_npz, description="weights as .npz", backends=())
+        register("npz-compressed", export_npz, backends=(), compress=True)  # a preset option
         self._seen("kerasdist_register_exporters")
 
     @kerasdist.hookimpl
@@ -134,7 +136,9 @@ def test_hook_kerasdist_register_exporters(recorder, tmp_path):
     model = _compiled(recorder)
     path = kerasdist.export(model, str(tmp_path / "w.npz"), format="npz", compress=True)
     assert len(np.load(path).files) == len(model.weights)
-    with pytest.raises(kerasdist.UnknownPluginError, match="export format 'nope'.*npz"):
+    preset = kerasdist.export(model, str(tmp_path / "c.npz"), format="npz-compressed")
+    assert zipfile.ZipFile(preset).infolist()[0].compress_type == zipfile.ZIP_DEFLATED
+    with pytest.raises(kerasdist.UnknownPluginError, match=r"export format 'nope' for kerasdist.export\(format=...\).*npz"):
         kerasdist.export(model, str(tmp_path / "w"), format="nope")
 
 

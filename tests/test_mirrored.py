@@ -157,3 +157,8 @@ def test_tutorial_flow_callbacks_checkpoints_save_and_load(tmp_path):
     predictions = loaded.predict(images[:40], verbose=0)
     np.testing.assert_allclose(predictions, model.predict(images[:40], verbose=0), atol=1e-5)
     loaded.fit(train, epochs=1, verbose=0)  # and it keeps training under the strategy
+
+
+def test_steps_per_execution_that_keras_cannot_run_is_refused_with_the_fix():
+    with pytest.raises(kerasdist.KerasdistError, match="steps_per_execution=4.*use steps_per_execution=1"):
+        _mlp().compile(loss="mse", optimizer="sgd", steps_per_execution=4, distribute="mirrored")
