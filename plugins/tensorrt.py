@@ -1,0 +1,198 @@
+"""ONNX and TensorRT export: kerasdist.export(model, path, format="onnx" | "onnx-int8" | "tensorrt").
+
+TF-TRT is gone from TensorFlow's pip wheels (TF 2.18+), so the path to TensorRT is
+Keras -> ONNX -> TensorRT engine:
+
+- "onnx": ``model.export(format="onnx")`` (tf2onnx + onnx), checked with ``onnx.checker``;
+  ``verify_with=inputs`` runs it in onnxruntime (CPU) and compares it with Keras.
+- "onnx-int8": the float ONNX model quantized to QDQ form (QuantizeLinear/DequantizeLinear, int8,
+  symmetric, per-channel weights) by ``onnxruntime.quantization`` from ``representative_data``:
+  the explicit-quantization input TensorRT expects for INT8, and runnable in onnxruntime.
+- "tensorrt": that ONNX model parsed and built into a serialized engine (``.engine``/``.plan``)
+  with the ``tensorrt`` package, ``precision`` "fp32", "fp16" or "int8" (from the QDQ model).
+  Needs an NVIDIA GPU: engines are built for, and run on, the GPU that builds them. Without one the
+  format reports itself unavailable (``kerasdist plugins``) and ``kerasdist.export`` says why.
+"""
+
+import functools
+import glob
+import importlib.util
+import os
+import tempfile
+
+import kerasdist
+from kerasdist_plugins.quantization import (ExportResult, calibration_batches, check_exportable,
+                                            compare_outputs, require)
+
+PRECISIONS = ("fp32", "fp16", "int8")
+NVIDIA_DEVICE_GLOB = "/dev/nvidia[0-9]*"
+
+
+# -- ONNX -----------------------------------------------------------------------
+
+def write_onnx(model, filepath, opset_version=None):
+    """``model.export(format="onnx")``, then ``onnx.checker`` on the file."""
+    require("tf2onnx", "onnx", "export(format='onnx')")
+    onnx = require("onnx", "onnx", "export(format='onnx')")
+    model.export(os.fspath(filepath), format="onnx", opset_version=opset_version, verbose=False)
+    onnx.checker.check_model(os.fspath(filepath))
+    return os.fspath(filepath)
+
+
+def run_onnxruntime(path, x):
+    """Run an ONNX file on ``x`` with onnxruntime's CPU provider."""
+    ort = require("onnxruntime", "onnx", "Running an ONNX model")
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (source,) = session.get_inputs()
+    return session.run(None, {source.name: x.astype("float32")})[0]
+
+
+def _finish(model, path, format, verify_with):
+    if verify_with is None:
+        return ExportResult(path, format, os.path.getsize(path))
+    return compare_outputs(model, verify_with, functools.partial(run_onnxruntime, path), path, format)
+
+
+def export_onnx(model, filepath, *, opset_version=None, verify_with=None):
+    """Float ONNX; ``verify_with`` compares onnxruntime with Keras."""
+    check_exportable(model, "onnx")
+    if verify_with is not None:
+        require("onnxruntime", "onnx", "export(format='onnx', verify_with=...)")
+    return _finish(model, write_onnx(model, filepath, opset_version), "onnx", verify_with)
+
+
+class _CalibrationReader:
+    """onnxruntime's CalibrationDataReader protocol over :func:`calibration_batches`."""
+
+    def __init__(self, input_names, batches):
+        self.input_names, self.batches = input_names, iter(batches)
+
+    def get_next(self):
+        batch = next(self.batches, None)
+        return None if batch is None else dict(zip(self.input_names, batch))
+
+
+def quantize_qdq(float_path, int8_path, representative_data, calibration_steps=100, per_channel=True):
+    """Static int8 QDQ quantization of an ONNX file (symmetric, as TensorRT requires)."""
+    onnx = require("onnx", "onnx", "export(format='onnx-int8')")
+    quantization = require("onnxruntime.quantization", "onnx", "export(format='onnx-int8')")
+    graph = onnx.load(float_path).graph
+    initializers = {i.name for i in graph.initializer}
+    names = [i.name for i in graph.input if i.name not in initializers]
+    reader = _CalibrationReader(names, calibration_batches(representative_data, calibration_steps))
+    quantization.quantize_static(
+        float_path, int8_path, reader, quant_format=quantization.QuantFormat.QDQ, per_channel=per_channel,
+        activation_type=quantization.QuantType.QInt8, weight_type=quantization.QuantType.QInt8,
+        extra_options={"ActivationSymmetric": True, "WeightSymmetric": True})
+    return int8_path
+
+
+def _need_data(format, representative_data):
+    if representative_data is None:
+        raise kerasdist.KerasdistError(
+            f"export(format={format!r}) needs representative_data=: about 100 typical inputs (an array, a "
+            "tf.data.Dataset or a generator function) to calibrate the int8 ranges.")
+
+
+def export_onnx_int8(model, filepath, *, representative_data=None, calibration_steps=100, per_channel=True,
+                     opset_version=None, verify_with=None):
+    """QDQ int8 ONNX; ``verify_with`` compares onnxruntime with Keras."""
+    check_exportable(model, "onnx-int8")
+    _need_data("onnx-int8", representative_data)
+    with tempfile.TemporaryDirectory() as tmp:
+        float_path = write_onnx(model, os.path.join(tmp, "float.onnx"), opset_version)
+        quantize_qdq(float_path, os.fspath(filepath), representative_data, calibration_steps, per_channel)
+    return _finish(model, os.fspath(filepath), "onnx-int8", verify_with)
+
+
+# -- TensorRT ---------------------------------------------------------------------
+
+def tensorrt_absent_reason(device_glob=NVIDIA_DEVICE_GLOB):
+    """Why a TensorRT engine cannot be built here, or None. Imports nothing."""
+    reasons = []
+    if not glob.glob(device_glob):
+        reasons.append("no NVIDIA GPU here (no /dev/nvidia0 device): TensorRT builds an engine on the GPU "
+                       "that will run it, so export on a machine with that GPU")
+    if importlib.util.find_spec("tensorrt") is None:
+        reasons.append("the tensorrt package is not installed: pip install 'kerasdist[tensorrt]'")
+    return "; ".join(reasons) or None
+
+
+def _profile_shapes(shape, name, min_batch, opt_batch, max_batch):
+    """(min, opt, max) shapes for one input: the dynamic batch axis takes the three batch sizes."""
+    dims = list(shape)
+    if any(d < 0 for d in dims[1:]):
+        raise kerasdist.KerasdistError(
+            f"export(format='tensorrt'): input {name!r} has shape {tuple(dims)} with unknown non-batch "
+            "dimensions; build the model with a fixed keras.Input shape (TensorRT needs them).")
+    if dims and dims[0] >= 0:
+        return tuple(dims), tuple(dims), tuple(dims)
+    return tuple([min_batch] + dims[1:]), tuple([opt_batch] + dims[1:]), tuple([max_batch] + dims[1:])
+
+
+def build_engine(onnx_path, precision, min_batch=1, opt_batch=8, max_batch=64, workspace_bytes=None):
+    """Parse ``onnx_path`` and build a serialized TensorRT engine (bytes). Runs on the GPU."""
+    trt = require("tensorrt", "tensorrt", "export(format='tensorrt')")
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    major = int(str(trt.__version__).split(".")[0])
+    flags = 0 if major >= 10 else 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    with open(onnx_path, "rb") as f:
+        if not parser.parse(f.read()):
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise kerasdist.KerasdistError(f"export(format='tensorrt'): TensorRT cannot parse the ONNX model: {errors}")
+    config = builder.create_builder_config()
+    if workspace_bytes:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
+    if precision == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    if precision == "int8":
+        config.set_flag(trt.BuilderFlag.INT8)  # scales come from the QDQ nodes (explicit quantization)
+    profile = builder.create_optimization_profile()
+    for i in range(network.num_inputs):
+        tensor = network.get_input(i)
+        profile.set_shape(tensor.name, *_profile_shapes(tensor.shape, tensor.name, min_batch, opt_batch, max_batch))
+    config.add_optimization_profile(profile)
+    engine = builder.build_serialized_network(network, config)
+    if engine is None:
+        raise kerasdist.KerasdistError(
+            f"export(format='tensorrt'): TensorRT could not build a {precision} engine (its log above says why).")
+    return bytes(engine)
+
+
+def export_tensorrt(model, filepath, *, precision="fp16", representative_data=None, calibration_steps=100,
+                    min_batch=1, opt_batch=8, max_batch=64, workspace_bytes=None, opset_version=None):
+    """A serialized TensorRT engine for this machine's GPU; see the module docstring."""
+    check_exportable(model, "tensorrt")
+    if precision not in PRECISIONS:
+        raise kerasdist.KerasdistError(
+            f"export(format='tensorrt'): precision={precision!r} is not valid; choose one of {', '.join(PRECISIONS)}.")
+    if precision == "int8":
+        _need_data("tensorrt", representative_data)
+    if not 1 <= min_batch <= opt_batch <= max_batch:
+        raise kerasdist.KerasdistError(
+            f"export(format='tensorrt'): batch sizes min_batch={min_batch}, opt_batch={opt_batch}, "
+            f"max_batch={max_batch} must satisfy 1 <= min <= opt <= max.")
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx_path = write_onnx(model, os.path.join(tmp, "model.onnx"), opset_version)
+        if precision == "int8":
+            onnx_path = quantize_qdq(onnx_path, os.path.join(tmp, "model.int8.onnx"), representative_data,
+                                     calibration_steps)
+        engine = build_engine(onnx_path, precision, min_batch, opt_batch, max_batch, workspace_bytes)
+    with open(filepath, "wb") as f:
+        f.write(engine)
+    return ExportResult(os.fspath(filepath), "tensorrt", len(engine))
+
+
+@kerasdist.hookimpl
+def kerasdist_register_exporters(register):
+    register("onnx", export_onnx, requires=("tf2onnx", "onnx"), extra="onnx",
+             description="ONNX via tf2onnx (verify_with= runs onnxruntime).")
+    register("onnx-int8", export_onnx_int8, requires=("tf2onnx", "onnx", "onnxruntime"), extra="onnx",
+             description="QDQ int8 ONNX via onnxruntime.quantization (needs representative_data=); "
+                         "TensorRT's INT8 input.")
+    register("tensorrt", export_tensorrt, requires=("tf2onnx", "onnx"), extra="tensorrt",
+             check=tensorrt_absent_reason,
+             description="TensorRT engine built from ONNX (fp32/fp16/int8); needs an NVIDIA GPU.")

@@ -1,0 +1,193 @@
+"""ONNX exports run in onnxruntime; TensorRT up to the GPU boundary (a fake tensorrt module at the
+builder), and a real engine build on an NVIDIA GPU (skipped here)."""
+
+import os
+import sys
+import types
+
+import keras
+import numpy as np
+import onnx
+import pytest
+
+import kerasdist
+import kerasdist.registry
+from kerasdist_plugins import tensorrt as trt_plugin
+
+
+@pytest.fixture(scope="module")
+def data():
+    return np.random.default_rng(0).normal(size=(128, 10, 10, 1)).astype("float32")
+
+
+@pytest.fixture(scope="module")
+def model(data):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((10, 10, 1)), keras.layers.Conv2D(4, 3, activation="relu"),
+                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile(loss="mse", optimizer="sgd", distribute="mirrored")
+    model.fit(data, np.zeros((128, 10), "float32"), batch_size=32, epochs=1, verbose=0)
+    return model
+
+
+def test_onnx_runs_in_onnxruntime_like_keras(model, data, tmp_path):
+    result = kerasdist.export(model, tmp_path / "m.onnx", format="onnx", verify_with=data[:64])
+    print(f"\nonnx: {result.size_bytes} B, max|delta| {result.max_abs_diff:.3g}, argmax {result.argmax_agreement}")
+    assert result.max_abs_diff < 1e-5 and result.argmax_agreement == 1.0
+    graph = onnx.load(result.path).graph
+    assert graph.input[0].type.tensor_type.shape.dim[0].dim_param  # dynamic batch
+
+
+def test_onnx_int8_is_qdq_and_runs_in_onnxruntime(model, data, tmp_path):
+    result = kerasdist.export(model, tmp_path / "q.onnx", format="onnx-int8", representative_data=data[:64],
+                              verify_with=data[64:])
+    reference = np.max(np.abs(model(data[64:]).numpy()))
+    print(f"\nonnx-int8: {result.size_bytes} B, max|delta| {result.max_abs_diff:.3g} (max|y| {reference:.3g}), "
+          f"argmax {result.argmax_agreement}")
+    ops = {node.op_type for node in onnx.load(result.path).graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    assert result.max_abs_diff < 0.1 * reference and result.argmax_agreement >= 0.9
+
+
+def test_missing_converter_dependency_is_one_clear_error(model, tmp_path, monkeypatch):
+    real = kerasdist.registry._module_exists
+    monkeypatch.setattr(kerasdist.registry, "_module_exists", lambda name: name != "tf2onnx" and real(name))
+    with pytest.raises(kerasdist.PluginUnavailableError,
+                       match=r"'onnx' cannot run here: needs tf2onnx \(not installed\): pip install 'kerasdist\[onnx"):
+        kerasdist.export(model, tmp_path / "m.onnx", format="onnx")
+
+
+def test_onnx_int8_without_data_fails_early(model, tmp_path):
+    with pytest.raises(kerasdist.KerasdistError, match="'onnx-int8'.*needs representative_data="):
+        kerasdist.export(model, tmp_path / "q.onnx", format="onnx-int8")
+
+
+# -- TensorRT ----------------------------------------------------------------------
+
+def test_tensorrt_listed_unavailable_with_the_reason():
+    row = next(r for r in kerasdist.list_plugins() if r["name"] == "tensorrt")
+    assert row["kind"] == "export"
+    if trt_plugin.tensorrt_absent_reason() is not None:
+        assert row["available"] is False and "no NVIDIA GPU here" in row["reason"]
+
+
+@pytest.mark.skipif(trt_plugin.tensorrt_absent_reason() is None, reason="this machine can build engines")
+def test_tensorrt_export_without_gpu_is_a_clear_error(model, tmp_path):
+    with pytest.raises(kerasdist.PluginUnavailableError, match="'tensorrt' cannot run here: no NVIDIA GPU here"):
+        kerasdist.export(model, tmp_path / "m.engine", format="tensorrt")
+
+
+def test_absent_reason_sees_gpu_devices_and_the_package(tmp_path, monkeypatch):
+    (tmp_path / "nvidia0").touch()
+    monkeypatch.setattr(trt_plugin.importlib.util, "find_spec", lambda name: object())
+    assert trt_plugin.tensorrt_absent_reason(str(tmp_path / "nvidia[0-9]*")) is None
+    monkeypatch.setattr(trt_plugin.importlib.util, "find_spec", lambda name: None)
+    assert "pip install 'kerasdist[tensorrt]'" in trt_plugin.tensorrt_absent_reason(str(tmp_path / "nvidia[0-9]*"))
+    assert "no NVIDIA GPU" in trt_plugin.tensorrt_absent_reason(str(tmp_path / "none*"))
+
+
+def _fake_tensorrt(calls, parse_ok=True):
+    """The tensorrt API surface build_engine uses; the network's inputs come from the real ONNX bytes."""
+
+    class Network:
+        def __init__(self):
+            self.inputs = []
+
+        num_inputs = property(lambda self: len(self.inputs))
+
+        def get_input(self, i):
+            return self.inputs[i]
+
+    class Parser:
+        num_errors = 1
+
+        def __init__(self, network, logger):
+            self.network = network
+
+        def parse(self, data):
+            graph = onnx.load_from_string(data).graph
+            calls["onnx_ops"] = {node.op_type for node in graph.node}
+            for tensor in graph.input:
+                dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.type.tensor_type.shape.dim]
+                self.network.inputs.append(types.SimpleNamespace(name=tensor.name, shape=tuple(dims)))
+            return parse_ok
+
+        def get_error(self, i):
+            return "In node 3: unsupported op"
+
+    class Config:
+        def set_flag(self, flag):
+            calls.setdefault("flags", []).append(flag)
+
+        def set_memory_pool_limit(self, pool, size):
+            calls["workspace"] = size
+
+        def add_optimization_profile(self, profile):
+            calls["profile"] = profile.shapes
+
+    class Profile:
+        def __init__(self):
+            self.shapes = {}
+
+        def set_shape(self, name, low, opt, high):
+            self.shapes[name] = (low, opt, high)
+
+    class Builder:
+        def __init__(self, logger):
+            pass
+
+        def create_network(self, flags):
+            calls["network_flags"] = flags
+            return Network()
+
+        create_builder_config = staticmethod(Config)
+        create_optimization_profile = staticmethod(Profile)
+
+        def build_serialized_network(self, network, config):
+            return b"fake-engine"
+
+    return types.SimpleNamespace(
+        __version__="10.9.0", Logger=type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None}),
+        Builder=Builder, OnnxParser=Parser, BuilderFlag=types.SimpleNamespace(FP16="FP16", INT8="INT8"),
+        MemoryPoolType=types.SimpleNamespace(WORKSPACE="WORKSPACE"))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "int8"])
+def test_engine_build_up_to_the_gpu(model, data, tmp_path, monkeypatch, precision):
+    """Everything before the GPU is real (ONNX, QDQ, shapes, flags); the fake stands in for tensorrt."""
+    calls = {}
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt(calls))
+    result = trt_plugin.export_tensorrt(model, tmp_path / "m.engine", precision=precision, max_batch=32,
+                                        workspace_bytes=1 << 28,
+                                        representative_data=data[:32] if precision == "int8" else None)
+    assert open(result.path, "rb").read() == b"fake-engine" and result.size_bytes == 11
+    assert calls["network_flags"] == 0 and calls["workspace"] == 1 << 28
+    assert calls["flags"] == [precision.upper()]
+    assert list(calls["profile"].values()) == [((1, 10, 10, 1), (8, 10, 10, 1), (32, 10, 10, 1))]
+    assert ("QuantizeLinear" in calls["onnx_ops"]) == (precision == "int8")
+
+
+def test_engine_build_errors(model, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt({}, parse_ok=False))
+    with pytest.raises(kerasdist.KerasdistError, match="cannot parse the ONNX model: In node 3: unsupported op"):
+        trt_plugin.export_tensorrt(model, tmp_path / "m.engine")
+    with pytest.raises(kerasdist.KerasdistError, match="precision='int4' is not valid; choose one of fp32, fp16, int8"):
+        trt_plugin.export_tensorrt(model, tmp_path / "m.engine", precision="int4")
+    with pytest.raises(kerasdist.KerasdistError, match="'tensorrt'\\) needs representative_data="):
+        trt_plugin.export_tensorrt(model, tmp_path / "m.engine", precision="int8")
+    assert not (tmp_path / "m.engine").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(trt_plugin.tensorrt_absent_reason() is not None,
+                    reason="needs an NVIDIA GPU and the tensorrt package")
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
+def test_real_engine_builds_and_deserializes_on_an_nvidia_gpu(model, data, tmp_path, precision):
+    import tensorrt as trt
+
+    result = kerasdist.export(model, tmp_path / "m.engine", format="tensorrt", precision=precision,
+                              representative_data=data[:64] if precision == "int8" else None)
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(open(result.path, "rb").read())
+    assert engine is not None and engine.num_io_tensors == 2
+    assert tuple(engine.get_tensor_shape(engine.get_tensor_name(0)))[1:] == (10, 10, 1)
+    assert os.path.getsize(result.path) > 0
