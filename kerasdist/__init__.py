@@ -98,13 +98,28 @@ def _setup():
     from .integration import install
 
     install()
-    if any(var in os.environ for var in _CLUSTER_HINT_VARS):
+    if any(var in os.environ for var in _CLUSTER_HINT_VARS) and _process_start_wanted():
         from .manager import get_system
 
         system = get_system()
         cluster = system.detect_cluster()
         if not cluster.is_local:
             system.hook.kerasdist_process_start(cluster=cluster, environ=system.environ)
+
+
+def _process_start_wanted():
+    """False for the ``kerasdist`` command itself (env, launch must not join a cluster) and when
+    KERASDIST_PROCESS_START=0."""
+    import os
+    import sys
+
+    if os.environ.get("KERASDIST_PROCESS_START", "1").strip().lower() in ("0", "false", "no"):
+        return False
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "kerasdist":
+        return False
+    argv = list(getattr(sys, "orig_argv", []))
+    return not ("-m" in argv and argv.index("-m") + 1 < len(argv)
+                and argv[argv.index("-m") + 1] in ("kerasdist", "kerasdist.cli"))
 
 
 #: Only these make ``import kerasdist`` load plugins early (to detect a cluster).

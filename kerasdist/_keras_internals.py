@@ -58,10 +58,14 @@ def _move_variables(variables, strategy):
 
 
 def _belongs_to(tf_variable, strategy):
+    """True when the backing variable already lives under ``strategy`` (a plain
+    tf.Variable lives under the default strategy)."""
+    import tensorflow as tf
+
     distribute = getattr(tf_variable, "_distribute_strategy", None)
     if distribute is not None:
         return distribute is strategy
-    return strategy is None
+    return strategy is None or (strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy())
 
 
 def move_to_strategy(model, strategy, optimizer=None):
@@ -122,3 +126,161 @@ def _unique(variables):
 def _metric_variables(model):
     for metric in getattr(model, "metrics", []) or []:
         yield from metric.variables
+
+
+def flatten_metrics_in_order(model, logs):
+    """What ``evaluate()`` returns without ``return_dict=True``, made from its ``logs`` dict:
+    the values in metric order, or the one value (``Trainer._flatten_metrics_in_order``)."""
+    return model._flatten_metrics_in_order(logs)
+
+
+# -- multi-worker (MultiWorkerMirroredStrategy) --------------------------------
+#
+# Stock Keras 3.15 + TF 2.21 cannot ``fit`` under a multi-worker strategy
+# (keras-team/keras#20585, tensorflow/tensorflow#72388): ``_maybe_symbolic_build``
+# reduces a PerReplica data batch across workers, and ``reduce_per_replica``
+# reduces scalar logs with ``axis=0``. Both paths always raise under a
+# multi-worker MultiWorkerMirroredStrategy, so the patches below only change
+# code paths that cannot work today; every other strategy takes Keras's code.
+
+_multiworker_patches = {}
+
+
+def is_multiworker_strategy(strategy):
+    """True for a MultiWorkerMirroredStrategy spanning more than this process."""
+    import tensorflow as tf
+
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def install_multiworker_fit_fixes():
+    """Make Keras 3's TF trainer work under a multi-worker strategy (idempotent)."""
+    if _multiworker_patches:
+        return
+    import tensorflow as tf
+    from keras.src import tree
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
+    original_reduce = tf_trainer.reduce_per_replica
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if strategy is None or iterator is None or not is_multiworker_strategy(strategy):
+            return original_build(self, iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:  # only shapes matter: this worker's first replica batch
+            data_batch = tree.map_structure(
+                lambda v: (strategy.experimental_local_results(v)[0]
+                           if isinstance(v, tf.distribute.DistributedValues) else v),
+                next(it))
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction in ("auto", "mean") and is_multiworker_strategy(strategy):
+            return tree.map_structure(
+                lambda v: strategy.reduce("MEAN", v, axis=None if v.shape.rank == 0 else 0), values)
+        return original_reduce(values, strategy, reduction)
+
+    _multiworker_patches["build"] = original_build
+    _multiworker_patches["reduce"] = original_reduce
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    tf_trainer.reduce_per_replica = reduce_per_replica
+
+
+def uninstall_multiworker_fit_fixes():
+    """Restore Keras's own functions (tests)."""
+    if not _multiworker_patches:
+        return
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _multiworker_patches.pop("build")
+    tf_trainer.reduce_per_replica = _multiworker_patches.pop("reduce")
+
+
+def tf_context_initialized():
+    """True once TensorFlow ran an op: collective ops can no longer be configured."""
+    from tensorflow.python.eager import context
+
+    return context.context()._context_handle is not None
+
+
+def configure_coordination(cluster_spec, register_timeout_s):
+    """Set up TF's coordination service as MultiWorkerMirroredStrategy would, but with a
+    registration timeout (the strategy's own set-up waits forever for absent workers)."""
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    if context.context().coordination_service is not None:
+        return
+    jobs = [coordination_config_pb2.CoordinatedJob(name=job, num_tasks=cluster_spec.num_tasks(job))
+            for job in ("chief", "worker") if job in cluster_spec.jobs]
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster_spec),
+        cluster_register_timeout_in_ms=int(register_timeout_s * 1000),
+        coordinated_jobs=jobs)
+
+
+def make_chief_aware_backup(backup_dir, write_dir, **kwargs):
+    """A ``keras.callbacks.BackupAndRestore`` that restores from ``backup_dir`` but
+    writes (and deletes at the end) ``write_dir``: non-chief workers read the
+    chief's backup and write theirs to a temporary directory."""
+    from keras.src.utils import file_utils
+
+    class ChiefAwareBackupAndRestore(keras.callbacks.BackupAndRestore):
+        def on_train_begin(self, logs=None):
+            super().on_train_begin(logs)
+            self.backup_dir = write_dir
+            self._weights_path = file_utils.join(write_dir, "latest.weights.h5")
+            self._training_metadata_path = file_utils.join(write_dir, "training_metadata.json")
+            self._prev_weights_path = f"{self._weights_path}.bkp"
+            self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
+
+    return ChiefAwareBackupAndRestore(backup_dir, **kwargs)
+
+
+def backup_dir_of(callback):
+    return callback.backup_dir
+
+
+def initial_epoch_of(model):
+    """The epoch a restored model resumes from (set by BackupAndRestore), or 0."""
+    return getattr(model, "_initial_epoch", None) or 0
+
+
+# -- parameter-server strategy (kerasdist_plugins.ps) --------------------------------------------
+
+#: The job name a ParameterServerStrategy coordinator takes in the cluster when built by
+#: :func:`parameter_server_strategy`: the local job's own name, so local state survives connecting.
+PS_COORDINATOR_JOB = "localhost"
+
+
+def parameter_server_strategy(cluster_resolver):
+    """A ``tf.distribute.experimental.ParameterServerStrategy`` whose coordinator keeps this process's state.
+
+    The stock strategy joins the cluster as job "chief" (``ParameterServerStrategyV2._connect_to_cluster``,
+    private, name hard-coded). Renaming the local job invalidates every tensor and variable created
+    before: reading a model built before ``compile(distribute="ps")`` then fails with "Client for target
+    /job:localhost/replica:0/task:0 not found". Joining as "localhost" (what the local job is already
+    called) keeps them. ``cluster_resolver``'s cluster must not list a "chief" job.
+    """
+    from tensorflow.python.distribute import parameter_server_strategy_v2
+
+    class _KeepLocalStateParameterServerStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
+        def _connect_to_cluster(self, coordinator_name):
+            return super()._connect_to_cluster(coordinator_name=PS_COORDINATOR_JOB)
+
+    return _KeepLocalStateParameterServerStrategy(cluster_resolver)
+
+
+def symbolic_build(model, data_batch):
+    """Create every variable ``fit`` needs (layers, compiled loss and metrics, optimizer slots) now, in
+    the current scope, from a batch's structure (tensors or ``tf.TensorSpec``): what Keras's own ``fit``
+    does first (``Trainer._symbolic_build``). Under a ParameterServerStrategy this places them on the
+    parameter servers; built lazily inside a step running on a worker, optimizer slots would land on the
+    coordinator instead."""
+    model._symbolic_build(data_batch=data_batch)

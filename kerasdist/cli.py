@@ -58,6 +58,17 @@ def _devices():
     return [d.name for d in tf.config.list_logical_devices()]
 
 
+def _launch(args):
+    from .errors import KerasdistError
+    from .launch import launch
+
+    try:
+        return launch(args)
+    except KerasdistError as exc:
+        print(f"kerasdist launch: error: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="kerasdist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +80,12 @@ def build_parser():
     p = sub.add_parser("env", help="print the resolved cluster and what distribute='auto' picks")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_env)
+    p = sub.add_parser("launch", help="start N local workers with a loopback TF_CONFIG each (multiworker)",
+                       description="kerasdist launch -n N [--] script.py [args]")
+    from .launch import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_launch)
     return parser
 
 

@@ -25,6 +25,7 @@ class PluginEntry:
     aliases: tuple = ()
     requires: tuple = ()
     extra: str = None
+    install: str = None
     backends: tuple = ("tensorflow",)
     check: object = None
     defaults: dict = dataclasses.field(default_factory=dict)
@@ -34,6 +35,8 @@ class PluginEntry:
     disabled: bool = False
 
     def install_hint(self):
+        if self.install:
+            return self.install
         if self.extra:
             return f"pip install 'kerasdist[{self.extra}]'"
         if self.requires:
@@ -84,6 +87,25 @@ class PluginEntry:
 
 
 def _module_exists(name):
+    """Whether ``name`` (dotted or not) can be imported, found without importing anything."""
+    import importlib.machinery
+    import sys
+
+    parts = name.split(".")
+    if parts[0] in sys.modules:
+        return _importable_loaded(name)
+    try:
+        spec = importlib.machinery.PathFinder.find_spec(parts[0])
+        for part in parts[1:]:
+            if spec is None or not spec.submodule_search_locations:
+                return False
+            spec = importlib.machinery.PathFinder.find_spec(part, list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return False
+    return spec is not None
+
+
+def _importable_loaded(name):
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
@@ -114,10 +136,10 @@ class Registry:
 
     def registrar(self, kind, plugin=None, package=None, version=None, disabled_names=()):
         """The ``register`` callback handed to a plugin's registration hook."""
-        def register(name, factory, *, description="", aliases=(), requires=(), extra=None,
+        def register(name, factory, *, description="", aliases=(), requires=(), extra=None, install=None,
                      backends=("tensorflow",), check=None, override=False, **defaults):
             entry = PluginEntry(normalize(name), kind, factory, description,
-                                tuple(normalize(a) for a in aliases), tuple(requires), extra,
+                                tuple(normalize(a) for a in aliases), tuple(requires), extra, install,
                                 tuple(backends or ()), check, defaults, plugin, package, version)
             entry.disabled = entry.name in disabled_names
             self.add(entry, override=override)

@@ -10,6 +10,7 @@ from .resolve import resolve_plan
 from .specs import StrategyInstance, spec_key
 
 _strategies = {}
+_active = threading.local()
 _strategies_lock = threading.Lock()
 
 
@@ -44,6 +45,15 @@ class Session:
         return [hook(spec=spec, strategy=self.strategy, **kwargs) for spec in self.plan.specs]
 
     def run(self, method, original, model, args, kwargs):
+        if getattr(_active, "depth", 0):  # Keras's own nested call (fit's validation evaluate)
+            return original(model, *args, **kwargs)
+        _active.depth = 1
+        try:
+            return self._run(method, original, model, args, kwargs)
+        finally:
+            _active.depth = 0
+
+    def _run(self, method, original, model, args, kwargs):
         call_kwargs = _bind(original, model, args, kwargs)
         call_kwargs["callbacks"] = list(call_kwargs.get("callbacks") or [])
         with self.strategy.scope():
@@ -76,9 +86,13 @@ def _is_dataset(value):
 
 
 def _bind(function, model, args, kwargs):
-    bound = inspect.signature(function).bind(model, *args, **kwargs)
-    arguments = dict(bound.arguments)
-    arguments.pop(next(iter(inspect.signature(function).parameters)))
+    """The call's arguments as one keyword dict (extra ``**kwargs`` merged in, ``self`` dropped)."""
+    signature = inspect.signature(function)
+    arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+    arguments.pop(next(iter(signature.parameters)))
+    for name, parameter in signature.parameters.items():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(arguments.pop(name, {}))
     return arguments
 
 

@@ -228,3 +228,23 @@ def test_hook_kerasdist_process_start(tmp_path):
     assert "PROCESS_START recorder 1 True" in out and out.index("PROCESS_START") < out.index("IMPORTED")
     out = run(python("-c", code), timeout=120, env=child_env(PYTHONPATH=str(tmp_path))).stdout
     assert "PROCESS_START" not in out
+
+
+def test_kerasdist_command_never_runs_process_start(tmp_path):
+    source = textwrap.dedent("""
+        import kerasdist
+
+        @kerasdist.hookimpl
+        def kerasdist_detect_cluster(environ):
+            return kerasdist.ClusterInfo(cluster={"worker": ["a:1", "b:2"]}, source="recorder")
+
+        @kerasdist.hookimpl
+        def kerasdist_process_start(cluster, environ):
+            print("PROCESS_START")
+    """)
+    write_plugin_distribution(str(tmp_path), "recorder-plugin", source, {"recorder": "recorder_plugin"})
+    env = child_env(PYTHONPATH=str(tmp_path), KERASDIST_CLUSTER="1")
+    assert "PROCESS_START" in run(python("-c", "import kerasdist"), timeout=120, env=env).stdout
+    assert "PROCESS_START" not in run(python("-m", "kerasdist.cli", "env"), timeout=120, env=env).stdout
+    env["KERASDIST_PROCESS_START"] = "0"
+    assert "PROCESS_START" not in run(python("-c", "import kerasdist"), timeout=120, env=env).stdout

@@ -64,3 +64,105 @@ def test_move_keeps_identity_and_values_and_mirrors_everything():
     assert internals.optimizer_strategy(optimizer) is strategy
     assert set(optimizer._trainable_variables_indices) == {
         optimizer._var_key(v) for v in model.trainable_variables}
+
+
+def test_flatten_metrics_in_order_matches_evaluate():
+    """Used by the horovod plugin to return averaged evaluate() results in Keras's order."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse"])
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 2), "float32")
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    flat = internals.flatten_metrics_in_order(model, logs)
+    assert flat == model.evaluate(x, y, verbose=0)
+    assert flat == [logs["loss"], logs["mae"], logs["mse"]]
+
+
+# -- multi-worker (used by plugins/multiworker.py) ---------------------------------------
+
+def test_multiworker_fit_fixes_replace_and_restore_keras_functions():
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    installed = bool(internals._multiworker_patches)
+    internals.uninstall_multiworker_fit_fixes()
+    try:
+        original_build, original_reduce = (tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
+                                           tf_trainer.reduce_per_replica)
+        internals.install_multiworker_fit_fixes()
+        assert tf_trainer.TensorFlowTrainer._maybe_symbolic_build is not original_build
+        assert tf_trainer.reduce_per_replica is not original_reduce
+        # Off a multi-worker strategy the patched reduce is Keras's own.
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        values = strategy.run(lambda: tf.constant([1.0, 3.0]) *
+                              tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group + 1,
+                                      tf.float32))
+        np.testing.assert_allclose(tf_trainer.reduce_per_replica(values, strategy, "mean").numpy(),
+                                   original_reduce(values, strategy, "mean").numpy())
+        assert not internals.is_multiworker_strategy(strategy)
+        internals.uninstall_multiworker_fit_fixes()
+        assert tf_trainer.TensorFlowTrainer._maybe_symbolic_build is original_build
+        assert tf_trainer.reduce_per_replica is original_reduce
+    finally:
+        if installed:
+            internals.install_multiworker_fit_fixes()
+
+
+def test_tf_context_initialized_after_an_op():
+    tf.constant(1.0) + 1
+    assert internals.tf_context_initialized()
+
+
+def test_chief_aware_backup_restores_from_one_dir_and_writes_another(tmp_path):
+    shared, scratch = tmp_path / "shared", tmp_path / "scratch"
+    x, y = np.ones((8, 3), "float32"), np.zeros((8, 2), "float32")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, epochs=2, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore(str(shared), delete_checkpoint=False)])
+    before = open(shared / "training_metadata.json").read()
+    assert '"epoch": 2' in before
+
+    epochs = []
+    restored = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    restored.compile(optimizer="sgd", loss="mse")
+    callback = internals.make_chief_aware_backup(str(shared), str(scratch), delete_checkpoint=False)
+    restored.fit(x, y, epochs=3, verbose=0,
+                 callbacks=[callback, keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, l: epochs.append(e))])
+    assert epochs == [2]  # resumed after the 2 completed epochs
+    assert open(shared / "training_metadata.json").read() == before  # the shared backup is read only
+    assert '"epoch": 3' in open(scratch / "training_metadata.json").read()
+    assert internals.backup_dir_of(callback) == str(scratch)
+
+
+# -- parameter-server strategy (kerasdist_plugins.ps) --------------------------------------------
+
+def test_parameter_server_strategy_joins_the_cluster_as_the_local_job(monkeypatch):
+    """The stock strategy calls ``_connect_to_cluster(coordinator_name="chief")`` from ``__init__``;
+    kerasdist's subclass must turn that into "localhost" (which keeps local variables valid)."""
+    from tensorflow.python.distribute import parameter_server_strategy_v2 as pss
+
+    class Stop(Exception):
+        pass
+
+    names = []
+
+    def fake_connect(self, coordinator_name):
+        names.append(coordinator_name)
+        raise Stop
+
+    monkeypatch.setattr(pss.ParameterServerStrategyV2, "_connect_to_cluster", fake_connect)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}), rpc_layer="grpc")
+    try:
+        internals.parameter_server_strategy(resolver)
+    except Stop:
+        pass
+    assert names == [internals.PS_COORDINATOR_JOB] == ["localhost"]
+
+
+def test_symbolic_build_creates_metric_and_optimizer_state_from_specs():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", metrics=["mae"])
+    assert not model.optimizer.built
+    internals.symbolic_build(model, (tf.TensorSpec((None, 3)), tf.TensorSpec((None, 2))))
+    assert model.optimizer.built and len(model.optimizer.variables) > 2  # momentum slots
+    assert {v.path.split("/")[0] for v in model.metrics_variables} >= {"loss", "mean_absolute_error"}

@@ -162,3 +162,14 @@ def test_tutorial_flow_callbacks_checkpoints_save_and_load(tmp_path):
 def test_steps_per_execution_that_keras_cannot_run_is_refused_with_the_fix():
     with pytest.raises(kerasdist.KerasdistError, match="steps_per_execution=4.*use steps_per_execution=1"):
         _mlp().compile(loss="mse", optimizer="sgd", steps_per_execution=4, distribute="mirrored")
+
+
+def test_validation_data_and_extra_keyword_arguments_reach_keras():
+    x, y = _data(128)
+    model = _mlp()
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], distribute="mirrored")
+    history = model.fit(x, y, validation_data=(x, y), batch_size=32, epochs=2, verbose=0)
+    assert {"val_loss", "val_mae", "loss", "mae"} <= set(history.history)
+    assert len(history.history["val_loss"]) == 2
+    result = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert result["loss"] == pytest.approx(model.evaluate(x, y, verbose=0)[0])

@@ -283,3 +283,24 @@ def test_plain_recompile_drops_kerasdist_from_the_model():
     assert kerasdist.strategy_of(model) is None
     assert isinstance(model.distribute_strategy, tf.distribute.MirroredStrategy)  # as Keras keeps it
     model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+
+
+def test_availability_check_imports_nothing(fresh_system, tmp_path, monkeypatch):
+    package = tmp_path / "kerasdist_probe_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported!')\n")
+    (package / "sub.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Probe:
+        @kerasdist.hookimpl
+        def kerasdist_register_strategies(self, register):
+            register("probe", Solo, requires=("kerasdist_probe_pkg.sub",))
+            register("probe2", Solo, requires=("kerasdist_probe_pkg.missing",),
+                     install="bash .ci/build_probe.sh")
+
+    fresh_system.add_plugin(Probe(), name="probe")
+    rows = {r["name"]: r for r in kerasdist.list_plugins()}
+    assert rows["probe"]["available"] is True
+    assert rows["probe2"]["available"] is False and rows["probe2"]["install"] == "bash .ci/build_probe.sh"
+    assert "kerasdist_probe_pkg" not in sys.modules

@@ -1,0 +1,203 @@
+"""Multi-worker scaling and overhead, measured in one run on this machine.
+
+    python bench/bench_multiworker.py [--steps 12] [--warmup 3]
+
+Model: a 512-1024-10 MLP, SGD, per-worker batch 4096, each process limited to
+1 intra-op and 1 inter-op thread. Prints, for each configuration, the step
+time and examples/s (global examples per second), then the ratios:
+
+- scaling: 2 workers with ``distribute="multiworker"`` vs 1 process (plain Keras fit),
+  for the default collectives and for each tuning tried (RING, gradient packing);
+- overhead: ``distribute="multiworker"`` step time vs a hand-written
+  MultiWorkerMirroredStrategy custom loop (tf.function + strategy.run) on the same model.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.abspath(__file__)
+PER_WORKER_BATCH = 4096
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+# -- inside a worker process ------------------------------------------------------------
+
+def limit_threads():
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def make_data(global_batch):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.RandomState(0)
+    x = rng.rand(global_batch, 512).astype("float32")
+    y = rng.randint(0, 10, size=(global_batch,)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch)
+
+
+def make_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+def worker_keras(args):
+    """Keras fit: plain (1 process) or distribute="multiworker"."""
+    limit_threads()
+    import kerasdist  # noqa: F401  joins the cluster (when TF_CONFIG is set) before any op
+    import keras
+
+    cluster = kerasdist.detect_cluster()
+    global_batch = PER_WORKER_BATCH * cluster.num_workers
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  distribute=None if cluster.is_local else "multiworker")
+    times = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter())
+
+    model.fit(make_data(global_batch), steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0,
+              callbacks=[Clock()])
+    report(times[args.warmup - 1:], global_batch, cluster)
+
+
+def worker_custom_loop(args):
+    """The hand-written equivalent: MultiWorkerMirroredStrategy + tf.function + strategy.run."""
+    limit_threads()
+    import tensorflow as tf
+
+    communication = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+                     "ring": tf.distribute.experimental.CommunicationImplementation.RING}[
+        os.environ.get("KERASDIST_COMMUNICATION", "auto")]
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=communication, bytes_per_pack=int(os.environ.get("KERASDIST_BYTES_PER_PACK", "0")))
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    import keras
+
+    global_batch = PER_WORKER_BATCH * strategy.num_replicas_in_sync
+    with strategy.scope():
+        model = make_model()
+        optimizer = keras.optimizers.SGD(0.01)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    iterator = iter(strategy.experimental_distribute_dataset(make_data(global_batch)))
+
+    @tf.function
+    def train_step(iterator):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(y, model(x, training=True)),
+                                                  global_batch_size=global_batch)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        losses = strategy.run(step, args=next(iterator))
+        return strategy.reduce("SUM", losses, axis=None)
+
+    times = []
+    for _ in range(args.warmup + args.steps):
+        train_step(iterator).numpy()
+        times.append(time.perf_counter())
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    report(times[args.warmup - 1:], global_batch, None, chief=resolver.task_id == 0)
+
+
+def report(times, global_batch, cluster, chief=None):
+    chief = cluster.is_local or cluster.is_chief if chief is None else chief
+    if chief:
+        step = (times[-1] - times[0]) / (len(times) - 1)
+        print("RESULT " + json.dumps({"step_s": step, "examples_per_s": global_batch / step}), flush=True)
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+def run_config(kind, workers, env_extra, args):
+    ports = free_ports(workers)
+    procs = []
+    for index in range(workers):
+        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        env.update(TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
+        if workers > 1:
+            env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                           "task": {"type": "worker", "index": index}})
+        procs.append(subprocess.Popen(
+            [sys.executable, HERE, "--role", kind, "--steps", str(args.steps), "--warmup", str(args.warmup)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=args.timeout)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    for proc, out in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise SystemExit(f"{kind} x{workers} {env_extra} failed:\n{out[-3000:]}")
+    line = next(line for line in outputs[0].splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", default="driver", choices=("driver", "keras", "custom"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=300)
+    args = parser.parse_args()
+    if args.role == "keras":
+        return worker_keras(args)
+    if args.role == "custom":
+        return worker_custom_loop(args)
+
+    configs = [
+        ("1 process, plain Keras fit", "keras", 1, {}),
+        ("2 workers, multiworker (defaults: AUTO, one pack)", "keras", 2, {}),
+        ("2 workers, hand-written MWMS loop (defaults)", "custom", 2, {}),
+        ("2 workers, multiworker, RING", "keras", 2, {"KERASDIST_COMMUNICATION": "ring"}),
+        ("2 workers, multiworker, RING, bytes_per_pack=1 MiB", "keras", 2,
+         {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 20)}),
+        ("2 workers, multiworker, RING, bytes_per_pack=256 KiB", "keras", 2,
+         {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 18)}),
+    ]
+    results = {}
+    print(f"per-worker batch {PER_WORKER_BATCH}, 512-1024-10 MLP, SGD, 1 intra/1 inter-op thread per process; "
+          f"{args.steps} timed steps after {args.warmup} warm-up; {os.cpu_count()} CPUs")
+    for name, kind, workers, env in configs:
+        results[name] = result = run_config(kind, workers, env, args)
+        print(f"{name:<55} step {result['step_s'] * 1000:8.1f} ms  {result['examples_per_s']:9.0f} examples/s",
+              flush=True)
+    base = results[configs[0][0]]["examples_per_s"]
+    print("\nscaling (2-worker examples/s / 1-process examples/s):")
+    for name, *_ in configs[1:]:
+        print(f"  {name:<55} {results[name]['examples_per_s'] / base:.2f}x")
+    ours, raw = results[configs[1][0]]["step_s"], results[configs[2][0]]["step_s"]
+    print(f"\nstep time, hand-written MWMS loop / distribute='multiworker' (defaults): {raw / ours:.3f} "
+          "(>= 1 means kerasdist is as fast or faster)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

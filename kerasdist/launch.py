@@ -1,0 +1,239 @@
+"""``kerasdist launch -n N script.py``: N local workers, each with a loopback TF_CONFIG.
+
+Like ``torchrun --standalone``: free ports are picked on 127.0.0.1, each worker's
+output is streamed with a ``[i]`` prefix, SIGINT/SIGTERM are forwarded, and when
+a worker fails the others are stopped (SIGTERM, then SIGKILL after a grace
+period) and the launcher exits non-zero.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from .errors import ClusterConfigError, KerasdistError
+
+DEFAULT_GRACE_S = 5.0
+MAX_GRACE_S = 25.0
+_POLL_S = 0.1
+
+
+def pick_ports(count, host="127.0.0.1"):
+    """``count`` distinct free TCP ports on ``host`` (held open together, so no repeats)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def check_ports_free(ports, host="127.0.0.1"):
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                raise ClusterConfigError(
+                    f"kerasdist launch: port {port} on {host} is already in use; choose another --port-base "
+                    "or leave it out to pick free ports.") from None
+
+
+def tf_configs(count, host="127.0.0.1", ports=None):
+    """The TF_CONFIG value of each of ``count`` workers on ``host``."""
+    ports = ports or pick_ports(count, host)
+    workers = [f"{host}:{port}" for port in ports]
+    return [json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
+            for i in range(count)]
+
+
+def worker_environments(args, environ=None):
+    """One environment per worker: the caller's plus TF_CONFIG and the collective settings."""
+    environ = dict(os.environ if environ is None else environ)
+    ports = list(range(args.port_base, args.port_base + args.nproc)) if args.port_base else None
+    if ports:
+        check_ports_free(ports, args.host)
+    settings = {"KERASDIST_JOIN_TIMEOUT": args.join_timeout, "KERASDIST_COMMUNICATION": args.communication,
+                "KERASDIST_BYTES_PER_PACK": args.bytes_per_pack,
+                "KERASDIST_COLLECTIVE_TIMEOUT": args.collective_timeout, "KERASDIST_BACKUP_DIR": args.backup_dir}
+    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
+        environ.pop(name, None)  # the launcher's TF_CONFIG describes the cluster, nothing else
+    environs = []
+    for config in tf_configs(args.nproc, args.host, ports):
+        env = dict(environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
+        env.update({k: str(v) for k, v in settings.items() if v is not None})
+        environs.append(env)
+    return environs
+
+
+def check_arguments(args):
+    if args.nproc < 1:
+        raise KerasdistError(f"kerasdist launch: -n {args.nproc} is not valid; give the number of worker "
+                             "processes to start, 1 or more (e.g. -n 2).")
+    if not args.script:
+        raise KerasdistError("kerasdist launch: no script given; usage: kerasdist launch -n 2 [--] train.py [args]")
+    if not args.module and not os.path.isfile(args.script[0]):
+        raise KerasdistError(f"kerasdist launch: script {args.script[0]!r} does not exist (looked in "
+                             f"{os.getcwd()}); give the path of a Python file, or -m for a module.")
+    if not 0 <= args.grace <= MAX_GRACE_S:
+        raise KerasdistError(f"kerasdist launch: --grace {args.grace} must be between 0 and {MAX_GRACE_S:g} s "
+                             "(the others are stopped within 30 s of a failure).")
+
+
+class Launcher:
+    """Starts the workers, streams their output, and stops all of them if one fails."""
+
+    def __init__(self, command, environs, grace=DEFAULT_GRACE_S, out=None):
+        self.command, self.environs, self.grace = command, environs, grace
+        self.out = out or sys.stdout
+        self.procs, self._threads = [], []
+        self._lock = threading.Lock()
+        self._signal = None
+
+    def say(self, message):
+        with self._lock:
+            sys.stderr.write(f"kerasdist launch: {message}\n")
+            sys.stderr.flush()
+
+    def start(self):
+        for index, env in enumerate(self.environs):
+            proc = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, preexec_fn=_child_setup)
+            self.procs.append(proc)
+            thread = threading.Thread(target=self._stream, args=(index, proc), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _stream(self, index, proc):
+        prefix = f"[{index}] ".encode()
+        stream = getattr(self.out, "buffer", None)
+        for line in iter(proc.stdout.readline, b""):
+            with self._lock:
+                if stream is not None:
+                    stream.write(prefix + line)
+                    stream.flush()
+                else:
+                    self.out.write((prefix + line).decode(errors="replace"))
+                    self.out.flush()
+        proc.stdout.close()
+
+    def _on_signal(self, signum, frame):
+        self._signal = signum
+        for proc in self.procs:
+            _signal_group(proc, signum)
+
+    def run(self):
+        """Run to completion; the exit status of the launch (0 when every worker succeeded)."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            return self._supervise()
+        finally:
+            self.stop()
+            for thread in self._threads:
+                thread.join(timeout=5)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _supervise(self):
+        while True:
+            codes = [proc.poll() for proc in self.procs]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                index, code = failed[0]
+                if self._signal is None:
+                    self.say(f"worker {index} exited with {_describe(code)}; stopping the other workers.")
+                self.stop()
+                return code if code > 0 else 128 - code
+            if self._signal is not None and all(c is not None for c in codes):
+                return 128 + self._signal
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(_POLL_S)
+
+    def stop(self):
+        """SIGTERM every running worker's process group, SIGKILL whatever is left after the grace period."""
+        running = [p for p in self.procs if p.poll() is None]
+        for proc in running:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in running):
+            time.sleep(_POLL_S)
+        for proc in self.procs:
+            _signal_group(proc, signal.SIGKILL)  # also reaps any grandchildren left in the group
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
+def _describe(code):
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _signal_group(proc, signum):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signum)
+
+
+def _child_setup():
+    """In each worker: its own process group, and death if the launcher dies (Linux)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def add_arguments(parser):
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="number of worker processes")
+    parser.add_argument("--host", default="127.0.0.1", help="address the workers use (default 127.0.0.1)")
+    parser.add_argument("--port-base", type=int, default=0,
+                        help="use ports PORT_BASE..PORT_BASE+N-1 (default: pick free ports)")
+    parser.add_argument("--join-timeout", type=float, default=None,
+                        help="seconds to wait for all workers to join (KERASDIST_JOIN_TIMEOUT, default 300)")
+    parser.add_argument("--communication", choices=("auto", "ring", "nccl"), default=None,
+                        help="collective implementation (KERASDIST_COMMUNICATION)")
+    parser.add_argument("--bytes-per-pack", type=int, default=None,
+                        help="gradient pack size in bytes for all-reduce (KERASDIST_BYTES_PER_PACK)")
+    parser.add_argument("--collective-timeout", type=float, default=None,
+                        help="abort a collective that takes longer (KERASDIST_COLLECTIVE_TIMEOUT)")
+    parser.add_argument("--backup-dir", default=None,
+                        help="where BackupAndRestore keeps its backup (KERASDIST_BACKUP_DIR)")
+    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                        help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("-m", dest="module", action="store_true", help="run the script argument as a module")
+    parser.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (after an optional --)")
+
+
+def launch(args):
+    """The ``kerasdist launch`` command."""
+    if args.script and args.script[0] == "--":
+        args.script = args.script[1:]
+    check_arguments(args)
+    command = [sys.executable, "-m", *args.script] if args.module else [sys.executable, *args.script]
+    environs = worker_environments(args)
+    scratch = tempfile.mkdtemp(prefix="kerasdist-launch-")
+    for env in environs:
+        env.setdefault("KERASDIST_SCRATCH_DIR", scratch)
+    try:
+        return Launcher(command, environs, grace=args.grace).run()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,176 @@
+"""Cluster detection through TensorFlow's own resolvers: TF_CONFIG, then Slurm.
+
+TF_CONFIG is what Kubeflow's TFJob, Ray Train, a hand-written Kubernetes manifest
+and ``kerasdist launch`` set. Slurm is read from an ``srun`` step's variables
+(one task per worker). Horovod/MPI variables belong to the horovod plugin.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+
+import kerasdist
+from kerasdist import ClusterConfigError, ClusterInfo
+
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+SLURM_PORT_BASE_VAR = "KERASDIST_SLURM_PORT_BASE"
+DEFAULT_SLURM_PORT_BASE = 8888
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_STEP_NODELIST",
+               "SLURM_STEP_TASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+               "SLURM_TASKS_PER_NODE", "CUDA_VISIBLE_DEVICES")
+
+
+@kerasdist.hookimpl
+def kerasdist_detect_cluster(environ):
+    """TF_CONFIG first, then a Slurm step with more than one task; None otherwise."""
+    if environ.get("TF_CONFIG", "").strip():
+        return from_tf_config(environ)
+    if "SLURM_PROCID" in environ:
+        return from_slurm(environ)
+    return None
+
+
+# -- TF_CONFIG ------------------------------------------------------------------
+
+def from_tf_config(environ):
+    """The cluster described by ``environ["TF_CONFIG"]``, checked; None when it names no cluster."""
+    raw = environ["TF_CONFIG"]
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ClusterConfigError(
+            f"TF_CONFIG is not valid JSON ({exc.msg} at character {exc.pos}): {raw[:200]!r}. Expected e.g. "
+            '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, "task": {"type": "worker", "index": 0}}'
+        ) from None
+    if not isinstance(config, dict):
+        raise ClusterConfigError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task'; got {raw[:200]!r}.")
+    if not config.get("cluster"):
+        return None
+    from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+
+    with _environment(environ, ("TF_CONFIG",)):
+        resolver = TFConfigClusterResolver()
+        try:
+            cluster = resolver.cluster_spec().as_dict()
+        except (TypeError, ValueError) as exc:
+            raise ClusterConfigError(
+                f"TF_CONFIG 'cluster' is not valid ({exc}): {json.dumps(config.get('cluster'))[:200]}. "
+                'Give job names mapped to lists of "host:port", e.g. {"worker": ["h1:2222", "h2:2222"]}.'
+            ) from None
+        task_type, task_index = resolver.task_type, resolver.task_id
+        rpc_layer = resolver.rpc_layer or "grpc"
+    cluster = {job: list(addresses.values()) if isinstance(addresses, dict) else list(addresses)
+               for job, addresses in cluster.items()}
+    validate(cluster, task_type, task_index, source="TF_CONFIG")
+    return ClusterInfo(task_type=task_type, task_index=int(task_index), cluster=cluster,
+                       source="tf_config", rpc_layer=rpc_layer)
+
+
+def validate(cluster, task_type, task_index, source):
+    """Raise ClusterConfigError for an unknown job, a task index outside it, or a repeated address."""
+    unknown = sorted(set(cluster) - set(TASK_TYPES))
+    if unknown:
+        raise ClusterConfigError(f"{source}: unknown job name(s) {unknown} in the cluster; "
+                                 f"use {', '.join(TASK_TYPES)}.")
+    if task_type is None or task_index is None:
+        raise ClusterConfigError(
+            f"{source} has a cluster but no task: add \"task\": {{\"type\": \"worker\", \"index\": N}} "
+            "naming this process's place in the cluster.")
+    if task_type not in cluster:
+        raise ClusterConfigError(
+            f"{source}: task type {task_type!r} is not a job of the cluster {sorted(cluster)}; "
+            "set task.type to one of them.")
+    size = len(cluster[task_type])
+    if not 0 <= int(task_index) < size:
+        raise ClusterConfigError(
+            f"{source}: task index {task_index} is outside the cluster: job {task_type!r} has {size} "
+            f"address(es) ({', '.join(cluster[task_type])}), so the index must be 0..{size - 1}.")
+    if cluster.get("chief") and len(cluster["chief"]) > 1:
+        raise ClusterConfigError(f"{source}: a cluster has at most one chief; got {cluster['chief']}.")
+    seen = {}
+    for job, addresses in cluster.items():
+        for index, address in enumerate(addresses):
+            if not isinstance(address, str) or ":" not in address:
+                raise ClusterConfigError(f"{source}: address {address!r} of {job} {index} is not 'host:port'.")
+            if address in seen:
+                raise ClusterConfigError(
+                    f"{source}: address {address} is listed twice (as {seen[address]} and {job} {index}); "
+                    "every task needs its own host:port.")
+            seen[address] = f"{job} {index}"
+
+
+# -- Slurm ------------------------------------------------------------------------
+
+def from_slurm(environ):
+    """The cluster of an ``srun`` step (one worker per task), or None for a single task."""
+    from tensorflow.python.distribute.cluster_resolver import SlurmClusterResolver
+
+    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
+    if tasks is None or int(tasks) <= 1:
+        return None
+    port_base = _int(environ.get(SLURM_PORT_BASE_VAR, DEFAULT_SLURM_PORT_BASE), SLURM_PORT_BASE_VAR)
+    fallbacks = {"SLURM_STEP_NUM_TASKS": tasks,
+                 "SLURM_STEP_NODELIST": environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+                 or environ.get("SLURM_NODELIST"),
+                 "SLURM_STEP_TASKS_PER_NODE": environ.get("SLURM_STEP_TASKS_PER_NODE")
+                 or environ.get("SLURM_TASKS_PER_NODE")}
+    missing = [name for name, value in fallbacks.items() if not value]
+    if missing:
+        raise ClusterConfigError(f"Slurm: SLURM_PROCID is set but {', '.join(missing)} is not; run the "
+                                 "script with `srun` inside the allocation (see examples/multiworker/slurm.sbatch).")
+    with _environment({**environ, **fallbacks}, _SLURM_VARS):
+        gpus = _visible_gpu_count(environ)
+        try:
+            if gpus:
+                resolver = SlurmClusterResolver(port_base=port_base, auto_set_gpu=False)
+            else:  # it cannot place 0 GPUs per task: give it one placeholder per task
+                resolver = SlurmClusterResolver(port_base=port_base, gpus_per_node=int(tasks), gpus_per_task=1,
+                                                auto_set_gpu=False)
+            cluster = resolver.cluster_spec().as_dict()
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise ClusterConfigError(f"Slurm: could not resolve the job step's cluster ({exc}); check "
+                                     "SLURM_STEP_NODELIST / SLURM_STEP_TASKS_PER_NODE.") from None
+        task_type, task_index = resolver.task_type, resolver.task_id
+    cluster = {job: list(addresses) for job, addresses in cluster.items()}
+    validate(cluster, task_type, task_index, source="Slurm")
+    return ClusterInfo(task_type=task_type, task_index=int(task_index), cluster=cluster, source="slurm",
+                       extra={"port_base": port_base})
+
+
+def _visible_gpu_count(environ):
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    return None  # let the resolver ask nvidia-smi
+
+
+def _int(value, name):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ClusterConfigError(f"{name}={value!r} is not a whole number (a TCP port, e.g. 8888).") from None
+
+
+@contextlib.contextmanager
+def _environment(environ, names):
+    """Make ``os.environ`` show ``environ``'s values of ``names`` while a TF resolver reads them."""
+    if environ is os.environ:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        for name in names:
+            if environ.get(name) is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = str(environ[name])
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,317 @@
+"""distribute="horovod" under real `horovodrun -np 2 --gloo` on loopback, and its bad-input errors.
+
+One horovodrun job ("suite") runs every numerical check; the error cases each get a job.
+The tests that need the built horovod skip only when it is not installed (`make test` builds it).
+"""
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from helpers import PYTHON, ROOT, child_env, run
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
+import hvd_common as common  # noqa: E402
+
+from kerasdist_plugins import horovod as plugin  # noqa: E402
+
+HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
+WORKER = os.path.join(ROOT, "tests", "workers", "hvd_train.py")
+needs_horovod = pytest.mark.skipif(
+    plugin.unavailable_reason() is not None or not os.path.exists(HOROVODRUN),
+    reason=f"horovod is not built here ({plugin.unavailable_reason()}); `make test` builds it")
+
+
+def horovodrun(mode, outdir, timeout, check=True):
+    """Run the worker on 2 ranks; returns (CompletedProcess, seconds); asserts nothing is left running."""
+    token = f"kerasdist-test-{uuid.uuid4().hex}"
+    cmd = [HOROVODRUN, "-np", "2", "--gloo", "-H", "localhost:2", "--network-interfaces", "lo",
+           "--gloo-timeout-seconds", "30", PYTHON, WORKER, mode, str(outdir), token]
+    start = time.monotonic()
+    try:
+        result = run(cmd, timeout=timeout, env=child_env(TF_CPP_MIN_LOG_LEVEL=3), check=check)
+    finally:
+        left = processes_with(token)
+        for pid in left:
+            os.kill(pid, 9)
+    assert not left, f"processes left behind by {mode}: {left}"
+    return result, time.monotonic() - start
+
+
+def processes_with(token):
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    outdir = tmp_path_factory.mktemp("hvd_suite")
+    result, _ = horovodrun("suite", outdir, timeout=240)
+    ranks = [dict(np.load(outdir / f"rank{r}.npz")) for r in range(2)]
+    return ranks, result.stdout, outdir
+
+
+def flat(arrays):
+    return np.concatenate([np.ravel(a) for a in arrays])
+
+
+def single_process_reference():
+    """Plain Keras on one process, the global batch (2 x BATCH), same initial weights, SGD."""
+    import keras
+
+    x, y = common.data(batches=8)
+    model = common.build_model()
+    model.set_weights(common.initial_weights(0))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    history = model.fit(x, y, batch_size=2 * common.BATCH, epochs=2, shuffle=False, verbose=0)
+    evaluation = model.evaluate(x, y, batch_size=common.BATCH, verbose=0)
+    return flat(model.get_weights()), history.history, np.array(evaluation)
+
+
+# -- Must show 1: weights identical on ranks, equal to single-process training -----------
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_ranks_identical_and_equal_to_single_process_on_global_batch(suite):
+    ranks, _, _ = suite
+    np.testing.assert_array_equal(ranks[0]["equivalence_weights"], ranks[1]["equivalence_weights"])
+    weights, history, evaluation = single_process_reference()
+    assert np.abs(ranks[0]["equivalence_weights"] - weights).max() <= 1e-5
+    # Rank 1 started from other weights: only rank 0's broadcast makes it match.
+    assert np.abs(ranks[0]["equivalence_weights"] - flat(common.initial_weights(0))).max() > 1e-3
+    # Epoch logs and evaluate() are averaged across ranks: they equal the single-process ones.
+    for rank in ranks:
+        np.testing.assert_allclose(rank["equivalence_loss"], history["loss"], atol=1e-5)
+        np.testing.assert_allclose(rank["equivalence_mae"], history["mae"], atol=1e-5)
+        np.testing.assert_allclose(rank["evaluate"], evaluation, atol=1e-5)
+
+
+# -- Must show 2: fp16 compression and backward_passes_per_step ---------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_fp16_compression_averages_float16_gradients(suite):
+    """Definition: each rank's gradient is cast to float16, summed and averaged in float16, cast back."""
+    ranks, _, _ = suite
+    x, y = common.data(batches=8)
+    w0 = flat(common.initial_weights(1))
+    g0, g1 = (flat(common.gradients(common.initial_weights(1), *common.batch(x, y, r))) for r in range(2))
+    half = [g.astype(np.float16).astype(np.float32) for g in (g0, g1)]
+    average16 = ((half[0] + half[1]).astype(np.float16) * np.float16(0.5)).astype(np.float32)
+    average32 = (g0 + g1) / 2
+    for rank in ranks:  # SGD(1.0): new weights = w0 - averaged gradient
+        assert np.abs(rank["fp16_weights"] - (w0 - average16)).max() <= 1e-6
+        assert np.abs(rank["fp16_weights"] - (w0 - average32)).max() > 1e-5  # really went through float16
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+@pytest.mark.parametrize("average", [False, True])
+def test_backward_passes_per_step_accumulates_then_reduces_once(suite, average):
+    """Definition (passes=2): sum each rank's gradients of 2 local batches at the same weights,
+    average that sum over ranks, divide by 2 if average_aggregated_gradients, apply once."""
+    ranks, _, _ = suite
+    x, y = common.data(batches=8)
+    weights = common.initial_weights(2)
+    seen_expected = []
+    for update in range(2):
+        local_sums = []
+        for rank in range(2):
+            steps = [common.gradients(weights, *common.batch(x, y, 2 * step + rank))
+                     for step in (2 * update, 2 * update + 1)]
+            local_sums.append([a + b for a, b in zip(*steps)])
+        gradient = [(a + b) / 2 / (2 if average else 1) for a, b in zip(*local_sums)]
+        seen_expected += [flat(weights)] * 2
+        weights = [w - 0.05 * g for w, g in zip(weights, gradient)]
+    for rank in ranks:
+        np.testing.assert_allclose(rank[f"passes_average{average}_weights"], flat(weights), atol=1e-5)
+        np.testing.assert_allclose(rank[f"passes_average{average}_seen"], np.array(seen_expected), atol=1e-5)
+        assert int(rank[f"passes_average{average}_iterations"]) == 4  # every backward pass counts
+
+
+# -- broadcast, LR scaling and warm-up, chief-only, Adasum --------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_pretrained_model_and_optimizer_state_broadcast_from_rank0(suite):
+    ranks, _, _ = suite
+    before0, before1 = ranks[0]["pretrained_before"], ranks[1]["pretrained_before"]
+    assert np.abs(before0 - before1).max() > 1e-3  # trained differently before distribution
+    for rank in ranks:
+        np.testing.assert_array_equal(rank["pretrained_at_start"], before0)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_learning_rate_scaled_by_world_size_and_warmed_up(suite):
+    ranks, _, _ = suite
+    target, size, warmup, steps = 0.1 * 2, 2, 2, 2
+    expected = []
+    for epoch in range(3):
+        for batch in range(steps):
+            e = epoch + batch / steps + 1 / steps
+            expected.append(target / size * (e * (size - 1) / warmup + 1) if epoch < warmup else target)
+    for rank in ranks:
+        np.testing.assert_allclose(rank["warmup_lrs"], expected, rtol=1e-6)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_checkpoints_logs_and_progress_on_rank0_only(suite):
+    _, output, outdir = suite
+    assert (outdir / "checkpoint_rank0.weights.h5").exists() and (outdir / "log_rank0.csv").exists()
+    assert not (outdir / "checkpoint_rank1.weights.h5").exists() and not (outdir / "log_rank1.csv").exists()
+    assert "[0]<stdout>:4/4" in output and "[1]<stdout>:4/4" not in output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_adasum_without_mpi_is_a_clear_error(suite):
+    ranks, _, _ = suite
+    message = str(ranks[0]["adasum_error"])
+    assert "op='adasum' needs Horovod's MPI controller" in message and "op='average'" in message
+
+
+# -- failures end the job: no hang, nothing left behind ------------------------------------
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow
+@needs_horovod
+def test_mismatched_model_across_ranks_fails_fast_with_clear_error(tmp_path):
+    result, seconds = horovodrun("mismatch", tmp_path, timeout=120, check=False)
+    assert result.returncode != 0
+    assert "the model differs across ranks: rank 1 has 4 weights of shapes" in result.stdout
+    assert "fit returned" not in result.stdout
+    assert seconds < 90
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow
+@needs_horovod
+def test_rank_crash_ends_the_job(tmp_path):
+    result, seconds = horovodrun("crash", tmp_path, timeout=120, check=False)
+    assert result.returncode != 0
+    assert "simulated crash of rank 1" in result.stdout
+    assert "fit returned" not in result.stdout
+    assert seconds < 90
+
+
+# -- without horovodrun, the install check, availability -----------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+@needs_horovod
+def test_without_horovodrun_trains_one_process_with_warning(tmp_path):
+    result = run([PYTHON, WORKER, "single", str(tmp_path)], timeout=100, env=child_env(TF_CPP_MIN_LOG_LEVEL=3))
+    assert "not started by horovodrun: training on this one process" in result.stdout
+    loss = np.load(tmp_path / "single_loss.npy")
+    assert loss[-1] < loss[0]
+
+
+@pytest.mark.timeout(60)
+@needs_horovod
+def test_check_build_shows_tensorflow_and_gloo():
+    out = subprocess.run([HOROVODRUN, "--check-build"], capture_output=True, text=True, timeout=50,
+                         env=child_env(TF_CPP_MIN_LOG_LEVEL=3)).stdout
+    assert "[X] TensorFlow" in out and "[X] Gloo" in out
+
+
+@pytest.fixture
+def horovod_missing(monkeypatch, tmp_path):
+    """Make the plugin see no horovod, or (param "no_tf") one built without TensorFlow."""
+    import importlib.machinery
+
+    def fake(kind):
+        real = importlib.util.find_spec
+
+        def find_spec(name, *args):
+            if name != "horovod":
+                return real(name, *args)
+            if kind == "missing":
+                return None
+            spec = importlib.machinery.ModuleSpec("horovod", None, is_package=True)
+            spec.submodule_search_locations = [str(tmp_path)]
+            return spec
+
+        monkeypatch.setattr(plugin.importlib.util, "find_spec", find_spec)
+    return fake
+
+
+@pytest.mark.parametrize("kind, phrase", [("missing", "needs horovod 0.28.1 (not installed)"),
+                                          ("no_tf", "was built without TensorFlow")])
+def test_unavailable_horovod_is_listed_with_reason_and_build_command(horovod_missing, kind, phrase):
+    import keras
+
+    import kerasdist
+
+    horovod_missing(kind)
+    row = next(r for r in kerasdist.list_plugins() if r["name"] == "horovod")
+    assert row["available"] is False and phrase in row["reason"] and "build_horovod.sh" in row["reason"]
+    model = common.build_model()
+    with pytest.raises(kerasdist.PluginUnavailableError, match="build_horovod.sh"):
+        model.compile(optimizer=keras.optimizers.SGD(), loss="mse", distribute="horovod")
+
+
+@pytest.mark.parametrize("options, phrase", [
+    ({"op": "max"}, "op='max' is not valid"),
+    ({"compression": "bf16"}, "compression='bf16' is not valid"),
+    ({"backward_passes_per_step": 0}, "backward_passes_per_step=0 is not valid"),
+    ({"gradient_predivide_factor": 2.0, "op": "sum"}, "gradient_predivide_factor=2.0 needs op='average'"),
+    ({"op": "adasum", "average_aggregated_gradients": True}, "average_aggregated_gradients=True"),
+    ({"warmup_epochs": -1}, "warmup_epochs=-1 is not valid"),
+])
+def test_bad_options_are_rejected_by_name(options, phrase):
+    import kerasdist
+
+    with pytest.raises(kerasdist.KerasdistError, match=phrase.replace("(", r"\(").replace(")", r"\)")):
+        plugin.check_options(kerasdist.horovod(**options))
+
+
+def test_detects_horovodrun_and_auto_picks_horovod(system):
+    import kerasdist
+
+    cluster = system.hook.kerasdist_detect_cluster(
+        environ={"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"})
+    assert (cluster.source, cluster.task_index, cluster.num_workers, cluster.is_chief) == ("horovod", 1, 2, False)
+    assert cluster.extra["local_rank"] == 1
+    assert system.hook.kerasdist_auto_strategy(cluster=cluster) == "horovod"
+    with pytest.raises(kerasdist.ClusterConfigError, match="HOROVOD_RANK=2 is not a rank of HOROVOD_SIZE=2"):
+        system.hook.kerasdist_detect_cluster(environ={"HOROVOD_RANK": "2", "HOROVOD_SIZE": "2"})
+
+
+def test_arrays_are_sharded_by_whole_batches_with_equal_steps():
+    x = np.arange(10)
+    with pytest.warns(UserWarning, match="dropping 2 of 10 fit samples"):
+        shards = [plugin.shard_arrays({"x": x}, batch_size=2, rank=r, size=2)["x"] for r in range(2)]
+    np.testing.assert_array_equal(shards[0], [0, 1, 4, 5])
+    np.testing.assert_array_equal(shards[1], [2, 3, 6, 7])
+    with pytest.raises(Exception, match="fewer than the 2 ranks"):
+        plugin.shard_arrays({"x": x[:2]}, batch_size=4, rank=0, size=2)
+
+
+def test_datasets_are_sharded_by_whole_batches_with_equal_steps():
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.range(10).batch(2)  # 5 batches
+    with pytest.warns(UserWarning, match="dropping the last 1 of 5 batches"):
+        shards = [[b.tolist() for b in plugin.shard_dataset(dataset, r, 2).as_numpy_iterator()] for r in range(2)]
+    assert shards == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]

@@ -1,0 +1,194 @@
+"""distribute="multiworker" with real worker processes talking gRPC collectives on 127.0.0.1.
+
+Every test starts its own processes with a timeout (tests/helpers.run kills the
+whole process group) and checks that none is left behind.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from tests.helpers import ROOT, child_env, free_port, kill_group, python, run
+
+pytestmark = [pytest.mark.slow]
+
+KERASDIST = os.path.join(os.path.dirname(sys.executable), "kerasdist")
+EXAMPLE = os.path.join(ROOT, "examples", "multiworker", "train.py")
+WORKER = os.path.join(ROOT, "tests", "workers", "mw_train.py")
+EXAMPLE_ARGS = ["--epochs", "2", "--examples", "256", "--batch-size", "64"]
+
+
+def tf_config(ports, index):
+    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def start(cmd, **env):
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(procs, timeout):
+    """Wait for every process; kill all groups on timeout. Returns [(returncode, output)]."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append((proc.returncode, out))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"workers did not finish within {timeout}s")
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return results
+
+
+def weights(directory, task):
+    with np.load(os.path.join(directory, f"weights-{task}.npz")) as data:
+        return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def left_behind(marker):
+    """Processes whose command line mentions ``marker`` (nothing may survive a test)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if marker in cmdline and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(cmdline)
+    return found
+
+
+@pytest.fixture(scope="module")
+def hand_set_run(tmp_path_factory):
+    """The example run by hand: two processes with TF_CONFIG set, plus one single process."""
+    out = tmp_path_factory.mktemp("handset")
+    ports = [free_port(), free_port()]
+    procs = [start(python(EXAMPLE, *EXAMPLE_ARGS, "--save-weights", str(out / "mw")),
+                   TF_CONFIG=tf_config(ports, i), KERASDIST_JOIN_TIMEOUT=60) for i in range(2)]
+    procs.append(start(python(EXAMPLE, *EXAMPLE_ARGS, "--save-weights", str(out / "single"))))
+    results = finish(procs, timeout=150)
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    return out, results
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_match_each_other_and_single_process_training(hand_set_run):
+    out, results = hand_set_run
+    w0, w1, single = weights(out / "mw", 0), weights(out / "mw", 1), weights(out / "single", 0)
+    between, to_single = max_diff(w0, w1), max_diff(w0, single)
+    print(f"max |w0 - w1| = {between:.3g}; max |w0 - single process| = {to_single:.3g}")
+    assert between == 0.0
+    assert to_single <= 1e-5
+    assert "on 2 worker(s)" in results[0][1] and "final loss" not in results[1][1]  # chief-only print
+
+
+@pytest.mark.timeout(180)
+def test_launch_runs_the_same_example_to_the_same_weights(hand_set_run, tmp_path):
+    out, _ = hand_set_run
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", EXAMPLE, *EXAMPLE_ARGS,
+                  "--save-weights", str(tmp_path)], timeout=150)
+    assert max_diff(weights(tmp_path, 0), weights(tmp_path, 1)) == 0.0
+    diff = max_diff(weights(tmp_path, 0), weights(out / "mw", 0))
+    print(f"max |launch - hand-set TF_CONFIG| = {diff:.3g}")
+    assert diff <= 1e-6
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[0] final loss") for line in lines)
+    assert any(line.startswith("[0] Epoch 2/2") for line in lines)
+    assert not any(line.startswith("[1] Epoch") or line.startswith("[1] final") for line in lines)
+
+
+@pytest.mark.timeout(240)
+def test_worker_killed_in_epoch_3_of_5_resumes_with_epochs_3_to_5(tmp_path):
+    common = [WORKER, "--epochs", "5", "--examples", "128", "--batch", "16"]
+    env = child_env(KERASDIST_BACKUP_DIR=str(tmp_path / "backup"), KERASDIST_JOIN_TIMEOUT=60)
+    launch = [KERASDIST, "launch", "-n", "2", "--grace", "3"]
+    crash = ["--crash-in-epoch", "3", "--crash-marker", str(tmp_path / "crashed"), "--out", str(tmp_path / "mw")]
+    reference = start(python(WORKER, "--epochs", "5", "--examples", "128", "--batch", "16", "--distribute",
+                             "none", "--out", str(tmp_path / "single")))
+
+    first = run(launch + common + crash, timeout=150, env=env, check=False)
+    assert first.returncode != 0, first.stdout[-3000:]
+    begun = [line for line in first.stdout.splitlines() if "EPOCH_BEGIN" in line]
+    assert begun == ["[0] EPOCH_BEGIN 1", "[0] EPOCH_BEGIN 2", "[0] EPOCH_BEGIN 3"], first.stdout[-3000:]
+    assert "[1] CRASHING in epoch 3" in first.stdout
+    assert not left_behind(str(tmp_path)), "workers survived the launcher"
+
+    second = run(launch + common + crash, timeout=150, env=env)
+    begun = [line for line in second.stdout.splitlines() if "EPOCH_BEGIN" in line]
+    assert begun == ["[0] EPOCH_BEGIN 3", "[0] EPOCH_BEGIN 4", "[0] EPOCH_BEGIN 5"], second.stdout[-3000:]
+    final = json.loads(next(line for line in second.stdout.splitlines() if "FINAL" in line).split("FINAL ", 1)[1])
+    print("resumed run's final metrics:", final)
+    assert final["epochs_run"] == 3 and np.isfinite(final["loss"])
+    assert not os.path.exists(tmp_path / "backup" / "fit0"), "backup removed after a completed fit"
+
+    (code, output), = finish([reference], timeout=120)
+    assert code == 0, output[-3000:]
+    diff = max_diff(weights(tmp_path / "mw", 0), weights(tmp_path / "single", 0))
+    print(f"max |resumed 2-worker - uninterrupted single process| = {diff:.3g}")
+    assert diff <= 1e-5  # no completed epoch lost or repeated
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_never_joins_times_out_with_a_clear_message():
+    ports = [free_port(), free_port()]
+    started = time.monotonic()
+    (code, output), = finish([start(python(WORKER, "--out", "/nonexistent"), TF_CONFIG=tf_config(ports, 0),
+                                    KERASDIST_JOIN_TIMEOUT=3)], timeout=90)
+    assert code != 0, output[-3000:]
+    assert "the cluster did not come up within 3 s" in output
+    assert f"not reachable: worker 1 (127.0.0.1:{ports[1]})" in output
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(120)
+def test_port_in_use_fails_at_start_naming_the_port():
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (code, output), = finish([start(python(WORKER, "--out", "/nonexistent"),
+                                        TF_CONFIG=tf_config([port, free_port()], 0))], timeout=90)
+    assert code != 0
+    assert f"Port {port} of worker 0 (127.0.0.1:{port}) is already in use" in output
+
+
+@pytest.mark.timeout(120)
+def test_importing_kerasdist_after_a_tensorflow_op_is_a_clear_error():
+    script = ("import tensorflow as tf; tf.constant(1.0) + 1\n"
+              "import kerasdist, keras\n"
+              "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+              "m.compile(loss='mse', distribute='multiworker')\n")
+    (code, output), = finish([start(python("-c", script), TF_CONFIG=tf_config([free_port(), free_port()], 0))],
+                             timeout=90)
+    assert code != 0 and "Put `import kerasdist` before any TensorFlow/Keras code" in output, output[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_uneven_shuffled_numpy_data_and_only_the_chief_writes(tmp_path):
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", WORKER, "--examples", "37", "--batch",
+                  "8", "--shuffle", "--verbose", "2", "--write-dir", str(tmp_path / "w"), "--out",
+                  str(tmp_path / "mw"), "--epochs", "2"], timeout=150,
+                 env=child_env(TMPDIR=str(scratch_root), KERASDIST_BACKUP_DIR=str(tmp_path / "backup")))
+    assert max_diff(weights(tmp_path / "mw", 0), weights(tmp_path / "mw", 1)) == 0.0
+    assert sorted(os.listdir(tmp_path / "w")) == ["log.csv", "model.keras", "tb"]
+    assert len(open(tmp_path / "w" / "log.csv").read().splitlines()) == 3  # header + 2 epochs, one writer
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("[0] Epoch 2/2") for line in lines)
+    assert any(line.startswith("[0] 5/5") for line in lines), result.stdout[-2000:]  # ceil(37 / 8) steps
+    assert not any(line.startswith("[1] Epoch") for line in lines)
+    assert not [p for p in scratch_root.rglob("*") if "kerasdist-worker" in str(p)], "scratch left behind"

@@ -1,0 +1,44 @@
+"""Model, data and reference maths shared by the horovod workers and tests/test_horovod.py."""
+
+import numpy as np
+
+FEATURES, HIDDEN, CLASSES = 8, 16, 3
+BATCH = 16  # per rank
+
+
+def build_model(hidden=HIDDEN):
+    import keras
+
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(hidden, activation="tanh"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def initial_weights(seed, hidden=HIDDEN):
+    """Fixed initial weights (numpy, independent of Keras's seeding)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(FEATURES, hidden), (hidden,), (hidden, CLASSES), (CLASSES,)]
+    return [rng.normal(0.0, 0.5, size=s).astype("float32") for s in shapes]
+
+
+def data(batches, seed=0):
+    """``batches`` global batches of BATCH samples each (regression targets)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batches * BATCH, FEATURES)).astype("float32")
+    y = np.tanh(x[:, :CLASSES] * 2.0 + rng.normal(0.0, 0.1, size=(batches * BATCH, CLASSES))).astype("float32")
+    return x, y
+
+
+def gradients(weights, x, y):
+    """d(mean squared error)/d(weights) of the model at ``weights`` on one batch (float32)."""
+    import tensorflow as tf
+
+    w = [tf.constant(v) for v in weights]
+    with tf.GradientTape() as tape:
+        tape.watch(w)
+        hidden = tf.tanh(tf.matmul(x, w[0]) + w[1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(hidden, w[2]) + w[3] - y))
+    return [g.numpy() for g in tape.gradient(loss, w)]
+
+
+def batch(x, y, index):
+    return x[index * BATCH:(index + 1) * BATCH], y[index * BATCH:(index + 1) * BATCH]
