@@ -10,7 +10,7 @@ from .resolve import resolve_plan
 from .specs import StrategyInstance, spec_key
 
 _strategies = {}
-_active = threading.local()
+_inside_keras = threading.local()
 _strategies_lock = threading.Lock()
 
 
@@ -45,15 +45,8 @@ class Session:
         return [hook(spec=spec, strategy=self.strategy, **kwargs) for spec in self.plan.specs]
 
     def run(self, method, original, model, args, kwargs):
-        if getattr(_active, "depth", 0):  # Keras's own nested call (fit's validation evaluate)
+        if getattr(_inside_keras, "active", False):  # Keras's own nested call (fit's validation evaluate)
             return original(model, *args, **kwargs)
-        _active.depth = 1
-        try:
-            return self._run(method, original, model, args, kwargs)
-        finally:
-            _active.depth = 0
-
-    def _run(self, method, original, model, args, kwargs):
         call_kwargs = _bind(original, model, args, kwargs)
         call_kwargs["callbacks"] = list(call_kwargs.get("callbacks") or [])
         with self.strategy.scope():
@@ -68,7 +61,11 @@ class Session:
             self.each_spec("kerasdist_adjust_call", method=method, call_kwargs=call_kwargs, model=model)
 
         def call(**kw):
-            return original(model, **kw)
+            _inside_keras.active = True
+            try:
+                return original(model, **kw)
+            finally:
+                _inside_keras.active = False
 
         for spec in self.plan.specs:
             result = self.system.hook.kerasdist_run_call(
