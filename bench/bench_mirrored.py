@@ -108,6 +108,34 @@ def compile_overhead(args):
             "floor_copy_once_per_replica_s": statistics.median(results["floor"])}
 
 
+def plain_keras_overhead(args):
+    """distribute=None: Keras's own compile+fit with kerasdist's wrappers installed vs removed."""
+    from kerasdist import integration
+
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(2048, 32)).astype("float32"), rng.normal(size=(2048, 1)).astype("float32")
+
+    def once():
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64), keras.layers.Dense(1)])
+        start = time.perf_counter()
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=256, epochs=1, verbose=0)
+        model.evaluate(x, y, batch_size=256, verbose=0)
+        return time.perf_counter() - start
+
+    times = {"with_kerasdist": [], "without": []}
+    once()
+    for _ in range(args.rounds):
+        times["with_kerasdist"].append(once())
+        integration.uninstall()
+        try:
+            times["without"].append(once())
+        finally:
+            integration.install()
+    with_s, without_s = statistics.median(times["with_kerasdist"]), statistics.median(times["without"])
+    return {"plain_compile_fit_evaluate_s_with_kerasdist": with_s, "plain_compile_fit_evaluate_s_without": without_s}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
@@ -117,7 +145,8 @@ def main():
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "tensorflow": tf.__version__,
-              "keras": keras.__version__, **step_times(args), **compile_overhead(args)}
+              "keras": keras.__version__, **step_times(args), **compile_overhead(args),
+              **plain_keras_overhead(args)}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -129,6 +158,9 @@ def main():
           f"{result['compile_s_plain']:.3f} s, distribute='mirrored' {result['compile_s_distribute_mirrored']:.3f} s, "
           f"extra {result['extra_s']:.3f} s (goal <= 0.5); floor (copy once per replica) "
           f"{result['floor_copy_once_per_replica_s']:.3f} s")
+    print(f"distribute=None (plain Keras compile+fit+evaluate, small MLP): with kerasdist imported "
+          f"{result['plain_compile_fit_evaluate_s_with_kerasdist'] * 1e3:.1f} ms, without its wrappers "
+          f"{result['plain_compile_fit_evaluate_s_without'] * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":
