@@ -40,16 +40,23 @@ def pick_ports(count, host="127.0.0.1"):
             s.close()
 
 
+def port_is_free(port):
+    """Whether a gRPC server could bind ``port`` (TensorFlow's servers listen on every interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
 def check_ports_free(ports, host="127.0.0.1"):
     for port in ports:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                raise ClusterConfigError(
-                    f"kerasdist launch: port {port} on {host} is already in use; choose another --port-base "
-                    "or leave it out to pick free ports.") from None
+        if not port_is_free(port):
+            raise ClusterConfigError(
+                f"kerasdist launch: port {port} on {host} is already in use; choose another --port-base "
+                "or leave it out to pick free ports.")
 
 
 def tf_configs(count, host="127.0.0.1", ports=None):

@@ -189,16 +189,14 @@ def join_cluster(cluster, options, join_timeout):
 
 def check_port_free(address, who):
     """Raise ClusterConfigError when this task's port is already taken."""
+    from kerasdist.launch import port_is_free
+
     port = int(address.rsplit(":", 1)[1])
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            raise ClusterConfigError(
-                f"Port {port} of {who} ({address}) is already in use by another process, so this worker "
-                "cannot start its gRPC server. Stop that process or give the task a free port "
-                "(`kerasdist launch` picks free ports).") from None
+    if not port_is_free(port):
+        raise ClusterConfigError(
+            f"Port {port} of {who} ({address}) is already in use by another process, so this worker "
+            "cannot start its gRPC server. Stop that process or give the task a free port "
+            "(`kerasdist launch` picks free ports).")
 
 
 def _unreachable(cluster):
