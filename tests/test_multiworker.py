@@ -192,3 +192,26 @@ def test_uneven_shuffled_numpy_data_and_only_the_chief_writes(tmp_path):
     assert any(line.startswith("[0] 5/5") for line in lines), result.stdout[-2000:]  # ceil(37 / 8) steps
     assert not any(line.startswith("[1] Epoch") for line in lines)
     assert not [p for p in scratch_root.rglob("*") if "kerasdist-worker" in str(p)], "scratch left behind"
+
+
+@pytest.mark.timeout(240)
+def test_tf_data_input_is_sharded_and_equals_single_process_on_the_global_batch(tmp_path):
+    """A tf.data.Dataset of global batches: each worker trains on its shard, the result is the same
+    as one process on the global batch (auto-shard DATA splits every global batch between workers)."""
+    common = [WORKER, "--dataset", "--epochs", "2", "--examples", "96", "--batch", "16"]
+    run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", *common, "--out", str(tmp_path / "mw")],
+        timeout=180)
+    run(python(*common, "--distribute", "none", "--out", str(tmp_path / "single")), timeout=120)
+    w0, w1, single = weights(tmp_path / "mw", 0), weights(tmp_path / "mw", 1), weights(tmp_path / "single", 0)
+    print(f"tf.data: max |w0 - w1| = {max_diff(w0, w1):.3g}; max |w0 - single| = {max_diff(w0, single):.3g}")
+    assert max_diff(w0, w1) == 0.0
+    assert max_diff(w0, single) <= 1e-5
+    assert max_diff(w0, _initial()) > 1e-3  # training moved the weights: the comparison can fail
+
+
+def _initial():
+    import keras
+
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(2)])
+    return model.get_weights()
