@@ -47,10 +47,10 @@ def from_tf_config(environ):
         raise ClusterConfigError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task'; got {raw[:200]!r}.")
     if not config.get("cluster"):
         return None
-    from tensorflow.python.distribute.cluster_resolver import TFConfigClusterResolver
+    import tensorflow as tf
 
     with _environment(environ, ("TF_CONFIG",)):
-        resolver = TFConfigClusterResolver()
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         try:
             cluster = resolver.cluster_spec().as_dict()
         except (TypeError, ValueError) as exc:
@@ -104,7 +104,7 @@ def validate(cluster, task_type, task_index, source):
 
 def from_slurm(environ):
     """The cluster of an ``srun`` step (one worker per task), or None for a single task."""
-    from tensorflow.python.distribute.cluster_resolver import SlurmClusterResolver
+    import tensorflow as tf
 
     tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
     if tasks is None or int(tasks) <= 1:
@@ -122,11 +122,10 @@ def from_slurm(environ):
     with _environment({**environ, **fallbacks}, _SLURM_VARS):
         gpus = _visible_gpu_count(environ)
         try:
-            if gpus:
-                resolver = SlurmClusterResolver(port_base=port_base, auto_set_gpu=False)
-            else:  # it cannot place 0 GPUs per task: give it one placeholder per task
-                resolver = SlurmClusterResolver(port_base=port_base, gpus_per_node=int(tasks), gpus_per_task=1,
-                                                auto_set_gpu=False)
+            # With no GPU it cannot place 0 GPUs per task: give it one placeholder per task.
+            placement = {} if gpus else {"gpus_per_node": int(tasks), "gpus_per_task": 1}
+            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+                port_base=port_base, auto_set_gpu=False, **placement)
             cluster = resolver.cluster_spec().as_dict()
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ClusterConfigError(f"Slurm: could not resolve the job step's cluster ({exc}); check "
