@@ -82,7 +82,7 @@ def __getattr__(name):
         raise AttributeError(name)
     from .manager import get_system
 
-    entry = get_system().registry.entries.get(name.lower())
+    entry = get_system().registry.find(name)
     if entry is None or entry.kind == "export":
         raise AttributeError(f"module 'kerasdist' has no attribute {name!r} (and no plugin named {name!r}; "
                              "run `kerasdist plugins`)")

@@ -34,7 +34,7 @@ def kerasdist_register_strategies(register):
     """Register strategy plugins.
 
     :param register: ``register(name, spec_class, *, description, aliases=(),
-        requires=(), extra=None, backends=("tensorflow",), check=None,
+        requires=(), extra=None, install=None, backends=("tensorflow",), check=None,
         override=False, **defaults)``. ``spec_class`` subclasses
         :class:`kerasdist.StrategySpec`; ``requires`` lists importable module names
         checked without importing them; ``extra`` names the pip extra that installs
@@ -55,9 +55,10 @@ def kerasdist_register_optimizations(register):
 def kerasdist_register_exporters(register):
     """Register post-training export formats used by :func:`kerasdist.export`.
 
-    :param register: ``register(format, export_function, *, description, requires=(),
-        extra=None, check=None, override=False)``; ``export_function(model,
-        filepath, **options)`` writes the file and returns a result object or path.
+    :param register: ``register(format, export_function, *, description, aliases=(),
+        requires=(), extra=None, install=None, backends=("tensorflow",), check=None,
+        override=False, **defaults)``; ``export_function(model, filepath, **options)``
+        writes the file and returns a result object or path.
     """
 
 
@@ -123,7 +124,8 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 def kerasdist_prepare_dataset(dataset, method, model, strategy, spec):
     """Return a replacement for a ``tf.data.Dataset`` input (shard, rebatch), or None.
 
-    Stops at the first non-None result.
+    Stops at the first non-None result. Called for ``x`` and, in ``fit``, for a
+    ``validation_data`` Dataset (with ``method="evaluate"``); other inputs pass through.
 
     :param method: "fit", "evaluate" or "predict".
     """

@@ -141,7 +141,7 @@ class Registry:
             entry = PluginEntry(normalize(name), kind, factory, description,
                                 tuple(normalize(a) for a in aliases), tuple(requires), extra, install,
                                 tuple(backends or ()), check, defaults, plugin, package, version)
-            entry.disabled = entry.name in disabled_names
+            entry.disabled = any(n in disabled_names for n in (entry.name,) + entry.aliases)
             self.add(entry, override=override)
             return factory
         return register
@@ -166,7 +166,7 @@ class Registry:
                     f"disable one with KERASDIST_DISABLE_PLUGINS={entry.plugin}.")
             if existing is not None:
                 self._remove(existing)
-        if base is not None and getattr(entry.factory, "registered_name", None) is None:
+        if base is not None and "registered_name" not in entry.factory.__dict__:  # not a parent's name
             entry.factory.registered_name = entry.name
         self.entries[entry.name] = entry
         for alias in entry.aliases:
@@ -176,6 +176,10 @@ class Registry:
         self.entries.pop(entry.name, None)
         for alias in entry.aliases:
             self._aliases.pop(alias, None)
+
+    def find(self, key):
+        """The entry registered under ``key`` (a name or alias, any case), or None."""
+        return self._lookup(key)
 
     def _lookup(self, key):
         key = normalize(key)

@@ -45,27 +45,24 @@ class Session:
         return [hook(spec=spec, strategy=self.strategy, **kwargs) for spec in self.plan.specs]
 
     def run(self, method, original, model, args, kwargs):
-        if getattr(_inside_keras, "active", False):  # Keras's own nested call (fit's validation evaluate)
+        if model in getattr(_inside_keras, "models", ()):  # Keras's own nested call (fit's validation)
             return original(model, *args, **kwargs)
         call_kwargs = _bind(original, model, args, kwargs)
-        call_kwargs["callbacks"] = list(call_kwargs.get("callbacks") or [])
+        call_kwargs["callbacks"] = _callback_list(call_kwargs.get("callbacks"))
         with self.strategy.scope():
-            x = call_kwargs.get("x")
-            if _is_dataset(x):
-                for spec in self.plan.specs:
-                    replaced = self.system.hook.kerasdist_prepare_dataset(
-                        dataset=x, method=method, model=model, strategy=self.strategy, spec=spec)
-                    if replaced is not None:
-                        x = replaced
-                call_kwargs["x"] = x
+            call_kwargs["x"] = self._prepare_dataset(call_kwargs.get("x"), method, model)
+            validation = call_kwargs.get("validation_data")
+            if method == "fit" and _is_dataset(validation):
+                call_kwargs["validation_data"] = self._prepare_dataset(validation, "evaluate", model)
             self.each_spec("kerasdist_adjust_call", method=method, call_kwargs=call_kwargs, model=model)
 
         def call(**kw):
-            _inside_keras.active = True
+            running = getattr(_inside_keras, "models", ())
+            _inside_keras.models = running + (model,)
             try:
                 return original(model, **kw)
             finally:
-                _inside_keras.active = False
+                _inside_keras.models = running
 
         for spec in self.plan.specs:
             result = self.system.hook.kerasdist_run_call(
@@ -74,6 +71,27 @@ class Session:
             if result is not None:
                 return result
         return call(**call_kwargs)
+
+
+    def _prepare_dataset(self, value, method, model):
+        """Run ``kerasdist_prepare_dataset`` over every spec for a tf.data input (others pass through)."""
+        if not _is_dataset(value):
+            return value
+        for spec in self.plan.specs:
+            replaced = self.system.hook.kerasdist_prepare_dataset(
+                dataset=value, method=method, model=model, strategy=self.strategy, spec=spec)
+            if replaced is not None:
+                value = replaced
+        return value
+
+
+def _callback_list(callbacks):
+    """The user's callbacks as a plain list (Keras also accepts a CallbackList)."""
+    import keras
+
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        return list(callbacks.callbacks)
+    return list(callbacks or [])
 
 
 def _is_dataset(value):

@@ -416,20 +416,30 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
     if spec.scale_learning_rate and not reducer.lr_scaled:
         scale_learning_rate(optimizer, hvd.size())
         reducer.lr_scaled = True
+    reducer.warmup_target_lr = getattr(previous, "warmup_target_lr", None)
+    if spec.warmup_epochs:
+        if not _constant_learning_rate(optimizer):
+            raise kerasdist.KerasdistError(
+                f"horovod: warmup_epochs={spec.warmup_epochs} needs a constant (float) learning rate, but "
+                "the optimizer uses a schedule; put the warm-up into the schedule or set warmup_epochs=0.")
+        if reducer.warmup_target_lr is None:  # fixed once: a fit stopped mid-warm-up must not lower it
+            reducer.warmup_target_lr = float(optimizer.learning_rate.numpy())
+
+
+def _constant_learning_rate(optimizer):
+    import keras
+
+    return isinstance(optimizer.learning_rate, keras.Variable)
 
 
 def scale_learning_rate(optimizer, factor):
     """Multiply a constant learning rate by ``factor`` (Horovod's ``lr * hvd.size()``)."""
-    import keras
-
-    lr = optimizer.learning_rate
-    if not isinstance(lr, keras.Variable):
+    if not _constant_learning_rate(optimizer):
         raise kerasdist.KerasdistError(
             "horovod: scale_learning_rate=True needs a constant (float) learning rate, but the optimizer "
-            f"uses a schedule ({type(getattr(optimizer, '_learning_rate', lr)).__name__}); multiply the "
-            f"schedule's initial learning rate by the world size ({factor}) yourself and leave "
-            "scale_learning_rate=False.")
-    optimizer.learning_rate = float(lr.numpy()) * factor
+            f"uses a schedule; multiply the schedule's initial learning rate by the world size ({factor}) "
+            "yourself and leave scale_learning_rate=False.")
+    optimizer.learning_rate = float(optimizer.learning_rate.numpy()) * factor
 
 
 # -- fit / evaluate: data, callbacks ------------------------------------------------
@@ -524,7 +534,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
         callbacks.insert(0, MetricAverageCallback())
     if method == "fit":
         if spec.warmup_epochs and not any(isinstance(c, LearningRateWarmupCallback) for c in callbacks):
-            callbacks.insert(1, LearningRateWarmupCallback(warmup_epochs=spec.warmup_epochs))
+            target = getattr(model.optimizer.__dict__.get("_kerasdist_horovod"), "warmup_target_lr", None)
+            callbacks.insert(1, LearningRateWarmupCallback(initial_lr=target, warmup_epochs=spec.warmup_epochs))
         callbacks.append(BroadcastStateCallback())  # last: after any callback that loads state on rank 0
 
 

@@ -350,7 +350,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if not chief:
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0
-        _redirect_writes(call_kwargs, _scratch_dir())
+        if method == "fit":  # the paths are given back at the end of training
+            _redirect_writes(call_kwargs, _scratch_dir())
 
 
 _fits = [0]
@@ -459,7 +460,8 @@ def _shuffle_arrays_alike(call_kwargs, seed):
         call_kwargs["validation_data"] = tuple(_slice(p, at, None) for p in parts)
         parts = [_slice(p, 0, at) for p in parts]
     count = len(_first_array(parts[0]))
-    dataset = tf.data.Dataset.from_tensor_slices(tuple(parts))
+    # tf.data reads a Python list as one tensor: lists of arrays (multi-input/output) must be tuples.
+    dataset = tf.data.Dataset.from_tensor_slices(tuple(keras.tree.lists_to_tuples(p) for p in parts))
     dataset = dataset.shuffle(count, seed=seed, reshuffle_each_iteration=True)
     batch_size = call_kwargs.get("batch_size") or 32
     call_kwargs.update(x=dataset.batch(batch_size), y=None, sample_weight=None, batch_size=None,

@@ -24,6 +24,10 @@ def test_hook_documented_with_its_arguments(name, fn):
     assert re.search(rf"^### {name}\({re.escape(arguments)}\)$", text, re.M), (
         f"docs/hooks.md needs a heading '### {name}({arguments})'")
     assert fn.__doc__ and fn.__doc__.strip()
+    section = text[text.index(f"### {name}("):]
+    section = section[:section.find("\n### ", 1) if "\n### " in section[1:] else len(section)]
+    assert ("firstresult" in section) == bool(fn.kerasdist_spec["firstresult"]), (
+        f"docs/hooks.md must say whether {name} is firstresult")
 
 
 @pytest.mark.parametrize("name,fn", HOOKS, ids=[n for n, _ in HOOKS])

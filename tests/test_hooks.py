@@ -188,6 +188,9 @@ def test_hook_kerasdist_prepare_dataset(recorder):
     assert int(model.optimizer.iterations.numpy()) == 2  # the hook's dataset.take(2) was used
     model.predict(np.ones((4, 4)), verbose=0)  # numpy input: no dataset hook
     assert {c["method"] for c in recorder.called("kerasdist_prepare_dataset")} == {"fit"}
+    model.fit(_dataset(), validation_data=_dataset(), verbose=0)  # validation Dataset: method "evaluate"
+    assert [c["method"] for c in recorder.called("kerasdist_prepare_dataset")][-4:] == [
+        "fit", "fit", "evaluate", "evaluate"]
 
 
 def test_hook_kerasdist_adjust_call(recorder):

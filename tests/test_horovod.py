@@ -308,3 +308,16 @@ def test_datasets_are_sharded_by_whole_batches_with_equal_steps():
     with pytest.warns(UserWarning, match="dropping the last 1 of 5 batches"):
         shards = [[b.tolist() for b in plugin.shard_dataset(dataset, r, 2).as_numpy_iterator()] for r in range(2)]
     assert shards == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+@pytest.mark.timeout(120)
+@needs_horovod
+def test_warmup_with_a_learning_rate_schedule_is_refused_at_compile():
+    code = ("import keras, kerasdist\n"
+            "m = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])\n"
+            "lr = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)\n"
+            "try:\n"
+            "    m.compile(loss='mse', optimizer=keras.optimizers.SGD(lr), distribute=kerasdist.horovod(warmup_epochs=2))\n"
+            "except kerasdist.KerasdistError as e:\n    print('REFUSED', e)\n")
+    out = run([PYTHON, "-c", code], timeout=100, env=child_env(TF_CPP_MIN_LOG_LEVEL=3)).stdout
+    assert "REFUSED horovod: warmup_epochs=2 needs a constant (float) learning rate" in out

@@ -304,3 +304,39 @@ def test_availability_check_imports_nothing(fresh_system, tmp_path, monkeypatch)
     assert rows["probe"]["available"] is True
     assert rows["probe2"]["available"] is False and rows["probe2"]["install"] == "bash .ci/build_probe.sh"
     assert "kerasdist_probe_pkg" not in sys.modules
+
+
+def test_callback_list_and_another_distributed_model_inside_a_callback():
+    teacher, student = _model(), _model()
+    teacher.compile(loss="mse", distribute="mirrored")
+    student.compile(loss="mse", optimizer="sgd", distribute="mirrored")
+    seen = []
+
+    class AskTeacher(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(kerasdist.strategy_of(teacher) is not None)
+            teacher.predict(np.ones((4, 4)), verbose=0)  # goes through kerasdist, not Keras's nested path
+
+    callbacks = keras.callbacks.CallbackList([AskTeacher()], model=student)
+    student.fit(np.ones((8, 4)), np.ones((8, 1)), epochs=2, verbose=0, callbacks=callbacks)
+    assert seen == [True, True]
+
+
+def test_subclass_spec_gets_its_own_name_and_aliases_work_everywhere(fresh_system):
+    @dataclasses.dataclass
+    class FastSolo(Solo):
+        pass
+
+    class Plugins:
+        @kerasdist.hookimpl
+        def kerasdist_register_strategies(self, register):
+            register("solo", Solo, aliases=("single",))
+            register("fastsolo", FastSolo)
+
+    fresh_system.add_plugin(Plugins(), name="plugins")
+    assert FastSolo().name == "fastsolo" and Solo().name == "solo"
+    assert kerasdist.single(device="/cpu:1") == Solo(device="/cpu:1")  # kerasdist.<alias>(...)
+    # the disable list also matches aliases:
+    system = PluginSystem(environ={"KERASDIST_DISABLE_PLUGINS": "single"}, load_entrypoints=False)
+    system.add_plugin(Plugins(), name="plugins")
+    assert system.registry.find("solo").unavailable_reason().startswith("disabled")
