@@ -45,7 +45,7 @@ class Session:
         return [hook(spec=spec, strategy=self.strategy, **kwargs) for spec in self.plan.specs]
 
     def run(self, method, original, model, args, kwargs):
-        if model in getattr(_inside_keras, "models", ()):  # Keras's own nested call (fit's validation)
+        if any(m is model for m in getattr(_inside_keras, "models", ())):  # Keras's own nested call
             return original(model, *args, **kwargs)
         call_kwargs = _bind(original, model, args, kwargs)
         call_kwargs["callbacks"] = _callback_list(call_kwargs.get("callbacks"))
@@ -71,7 +71,6 @@ class Session:
             if result is not None:
                 return result
         return call(**call_kwargs)
-
 
     def _prepare_dataset(self, value, method, model):
         """Run ``kerasdist_prepare_dataset`` over every spec for a tf.data input (others pass through)."""
