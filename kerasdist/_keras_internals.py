@@ -180,14 +180,75 @@ def install_multiworker_fit_fixes():
 
     def reduce_per_replica(values, strategy, reduction):
         if reduction in ("auto", "mean") and is_multiworker_strategy(strategy):
-            return tree.map_structure(
-                lambda v: strategy.reduce("MEAN", v, axis=None if v.shape.rank == 0 else 0), values)
+            return _mean_over_workers(values, strategy)
         return original_reduce(values, strategy, reduction)
 
     _multiworker_patches["build"] = original_build
     _multiworker_patches["reduce"] = original_reduce
     tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
     tf_trainer.reduce_per_replica = reduce_per_replica
+
+
+def _mean_over_workers(values, strategy):
+    """Keras's per-step logs averaged over the workers: float scalars through the strategy's
+    log summer when one is set (one message for all of them), the rest by ``strategy.reduce``."""
+    from keras.src import tree
+
+    flat = tree.flatten(values)
+    summer = _log_summers.get(id(strategy))
+    local = [strategy.experimental_local_results(v) for v in flat]
+    fast = [i for i, v in enumerate(flat) if summer is not None and len(local[i]) == 1
+            and local[i][0].shape.rank == 0 and local[i][0].dtype.is_floating]
+    means = [None if i in fast else strategy.reduce("MEAN", v, axis=None if v.shape.rank == 0 else 0)
+             for i, v in enumerate(flat)]
+    if fast:
+        for i, total in zip(fast, summer[1]([local[i][0] for i in fast])):
+            means[i] = total / summer[0]
+    return tree.pack_sequence_as(values, means)
+
+
+#: id(strategy) -> (number of workers, function summing a list of tensors over the workers)
+_log_summers = {}
+
+
+def set_log_summer(strategy, workers, sum_tensors):
+    """Average ``fit``/``evaluate`` logs under ``strategy`` with ``sum_tensors`` (None: TensorFlow's reduce)."""
+    if sum_tensors is None:
+        _log_summers.pop(id(strategy), None)
+    else:
+        _log_summers[id(strategy)] = (workers, sum_tensors)
+
+
+def route_gradient_all_reduce(optimizer, strategy, sum_tensors):
+    """Sum the dense gradients of ``optimizer`` (and the optimizers it wraps) with ``sum_tensors``
+    while it runs under ``strategy``; sparse gradients and other strategies take Keras's own
+    all-reduce (``TFOptimizer._all_reduce_sum_gradients``). ``sum_tensors=None`` restores it."""
+    import tensorflow as tf
+
+    for inner in _optimizer_chain(optimizer):
+        inner.__dict__.pop(_GRADIENT_ALL_REDUCE_ATTR, None)
+        if sum_tensors is None:
+            continue
+        keras_all_reduce = getattr(inner, _GRADIENT_ALL_REDUCE_ATTR)
+
+        def all_reduce(grads_and_vars, keras_all_reduce=keras_all_reduce):
+            pairs = list(grads_and_vars)
+            if tf.distribute.get_replica_context() is None or tf.distribute.get_strategy() is not strategy:
+                return keras_all_reduce(pairs)
+            dense = [i for i, (g, _) in enumerate(pairs) if g is not None and not isinstance(g, tf.IndexedSlices)]
+            sparse = [i for i, (g, _) in enumerate(pairs) if isinstance(g, tf.IndexedSlices)]
+            if dense:
+                for i, total in zip(dense, sum_tensors([pairs[i][0] for i in dense])):
+                    pairs[i] = (total, pairs[i][1])
+            if sparse:
+                for i, pair in zip(sparse, keras_all_reduce([pairs[i] for i in sparse])):
+                    pairs[i] = pair
+            return pairs
+
+        object.__setattr__(inner, _GRADIENT_ALL_REDUCE_ATTR, all_reduce)
+
+
+_GRADIENT_ALL_REDUCE_ATTR = "_all_reduce_sum_gradients"
 
 
 def uninstall_multiworker_fit_fixes():

@@ -216,7 +216,7 @@ def add_arguments(parser):
                         help="use ports PORT_BASE..PORT_BASE+N-1 (default: pick free ports)")
     parser.add_argument("--join-timeout", type=float, default=None,
                         help="seconds to wait for all workers to join (KERASDIST_JOIN_TIMEOUT, default 300)")
-    parser.add_argument("--communication", choices=("auto", "ring", "nccl"), default=None,
+    parser.add_argument("--communication", choices=("auto", "tcp", "ring", "nccl"), default=None,
                         help="collective implementation (KERASDIST_COMMUNICATION)")
     parser.add_argument("--bytes-per-pack", type=int, default=None,
                         help="gradient pack size in bytes for all-reduce (KERASDIST_BYTES_PER_PACK)")

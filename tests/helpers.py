@@ -53,6 +53,30 @@ def run(cmd, timeout, env=None, cwd=ROOT, check=True):
     return result
 
 
+def start(cmd, **env):
+    """Start ``cmd`` in its own process group with ``child_env(**env)``, output captured."""
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(procs, timeout):
+    """Wait for every process; kill all groups on timeout. Returns [(returncode, output)]."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append((proc.returncode, out))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"processes did not finish within {timeout}s")
+    finally:
+        for proc in procs:
+            kill_group(proc)
+    return results
+
+
 def kill_group(proc):
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import ROOT, child_env, free_port, kill_group, python, run
+from tests.helpers import ROOT, child_env, finish, free_port, kill_group, python, run, start
 
 pytestmark = [pytest.mark.slow]
 
@@ -28,27 +28,6 @@ EXAMPLE_ARGS = ["--epochs", "2", "--examples", "256", "--batch-size", "64"]
 def tf_config(ports, index):
     return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                        "task": {"type": "worker", "index": index}})
-
-
-def start(cmd, **env):
-    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def finish(procs, timeout):
-    """Wait for every process; kill all groups on timeout. Returns [(returncode, output)]."""
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            results.append((proc.returncode, out))
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"workers did not finish within {timeout}s")
-    finally:
-        for proc in procs:
-            kill_group(proc)
-    return results
 
 
 def weights(directory, task):
