@@ -1,13 +1,13 @@
 """Multi-worker scaling and overhead, measured in one run on this machine.
 
-    python bench/bench_multiworker.py [--steps 12] [--warmup 3]
+    python bench/bench_multiworker.py [--steps 12] [--warmup 3] [--rounds 3] [--full]
 
 Model: a 512-1024-10 MLP, SGD, per-worker batch 4096, each process limited to
 1 intra-op and 1 inter-op thread. Prints, for each configuration, the step
 time and examples/s (global examples per second), then the ratios:
 
 - scaling: 2 workers with ``distribute="multiworker"`` vs 1 process (plain Keras fit),
-  for the default collectives and for each tuning tried (RING, gradient packing);
+  with the default TCP ring and with TensorFlow's gRPC collectives (``--full``: gradient packing);
 - overhead: ``distribute="multiworker"`` step time vs a hand-written
   MultiWorkerMirroredStrategy custom loop (tf.function + strategy.run) on the same model.
 """
@@ -15,9 +15,11 @@ time and examples/s (global examples per second), then the ratios:
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.abspath(__file__)
@@ -79,6 +81,8 @@ def worker_keras(args):
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
+            if batch == args.warmup - 1:
+                barrier()
             times.append(time.perf_counter())
 
     model.fit(make_data(global_batch), steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0,
@@ -127,9 +131,19 @@ def worker_custom_loop(args):
     report(times[args.warmup - 1:], global_batch, None, chief=resolver.task_id == 0)
 
 
+def barrier():
+    """Independent processes (no cluster) start timing together, so that they compete for the CPUs."""
+    directory, count = os.environ.get("BENCH_BARRIER_DIR"), int(os.environ.get("BENCH_BARRIER_N", "1"))
+    if not directory:
+        return
+    open(os.path.join(directory, str(os.getpid())), "w").close()
+    while len(os.listdir(directory)) < count:
+        time.sleep(0.001)
+
+
 def report(times, global_batch, cluster, chief=None):
     chief = cluster.is_local or cluster.is_chief if chief is None else chief
-    if chief:
+    if chief or os.environ.get("BENCH_BARRIER_DIR"):
         step = (times[-1] - times[0]) / (len(times) - 1)
         print("RESULT " + json.dumps({"step_s": step, "examples_per_s": global_batch / step}), flush=True)
 
@@ -137,12 +151,18 @@ def report(times, global_batch, cluster, chief=None):
 # -- the driver ------------------------------------------------------------------------------
 
 def run_config(kind, workers, env_extra, args):
+    """Run one configuration; returns the slowest reporting process's result (synchronous training
+    goes at the pace of the slowest worker)."""
     ports = free_ports(workers)
     procs = []
+    independent = env_extra.get("BENCH_INDEPENDENT")
+    barrier_dir = tempfile.mkdtemp(prefix="bench-barrier-") if independent else None
     for index in range(workers):
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         env.update(TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
-        if workers > 1:
+        if independent:
+            env.update(BENCH_BARRIER_DIR=barrier_dir, BENCH_BARRIER_N=str(workers))
+        elif workers > 1:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": index}})
         procs.append(subprocess.Popen(
@@ -159,8 +179,32 @@ def run_config(kind, workers, env_extra, args):
     for proc, out in zip(procs, outputs):
         if proc.returncode != 0:
             raise SystemExit(f"{kind} x{workers} {env_extra} failed:\n{out[-3000:]}")
-    line = next(line for line in outputs[0].splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    if barrier_dir:
+        shutil.rmtree(barrier_dir, ignore_errors=True)
+    results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
+               if line.startswith("RESULT ")]
+    return max(results, key=lambda r: r["step_s"])
+
+
+CONFIGS = [  # (name, role, workers, environment)
+    ("1 process, plain Keras fit", "keras", 1, {}),
+    ("2 independent processes, no communication (ceiling)", "keras", 2, {"BENCH_INDEPENDENT": "1"}),
+    ("2 workers, multiworker (default: TCP ring)", "keras", 2, {}),
+    ("2 workers, hand-written MWMS loop (TF defaults)", "custom", 2, {}),
+    ("2 workers, multiworker, communication=ring (TF gRPC)", "keras", 2, {"KERASDIST_COMMUNICATION": "ring"}),
+]
+FULL_CONFIGS = [
+    ("2 workers, multiworker, ring, bytes_per_pack=1 MiB", "keras", 2,
+     {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 20)}),
+    ("2 workers, multiworker, ring, bytes_per_pack=256 KiB", "keras", 2,
+     {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 18)}),
+]
+
+
+def median(values):
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def main():
@@ -168,6 +212,8 @@ def main():
     parser.add_argument("--role", default="driver", choices=("driver", "keras", "custom"))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are reported")
+    parser.add_argument("--full", action="store_true", help="also gradient packing with TF's collectives")
     parser.add_argument("--timeout", type=float, default=300)
     args = parser.parse_args()
     if args.role == "keras":
@@ -175,29 +221,25 @@ def main():
     if args.role == "custom":
         return worker_custom_loop(args)
 
-    configs = [
-        ("1 process, plain Keras fit", "keras", 1, {}),
-        ("2 workers, multiworker (defaults: AUTO, one pack)", "keras", 2, {}),
-        ("2 workers, hand-written MWMS loop (defaults)", "custom", 2, {}),
-        ("2 workers, multiworker, RING", "keras", 2, {"KERASDIST_COMMUNICATION": "ring"}),
-        ("2 workers, multiworker, RING, bytes_per_pack=1 MiB", "keras", 2,
-         {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 20)}),
-        ("2 workers, multiworker, RING, bytes_per_pack=256 KiB", "keras", 2,
-         {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 18)}),
-    ]
-    results = {}
+    configs = CONFIGS + (FULL_CONFIGS if args.full else [])
+    steps = {name: [] for name, *_ in configs}
     print(f"per-worker batch {PER_WORKER_BATCH}, 512-1024-10 MLP, SGD, 1 intra/1 inter-op thread per process; "
-          f"{args.steps} timed steps after {args.warmup} warm-up; {os.cpu_count()} CPUs")
-    for name, kind, workers, env in configs:
-        results[name] = result = run_config(kind, workers, env, args)
-        print(f"{name:<55} step {result['step_s'] * 1000:8.1f} ms  {result['examples_per_s']:9.0f} examples/s",
-              flush=True)
-    base = results[configs[0][0]]["examples_per_s"]
-    print("\nscaling (2-worker examples/s / 1-process examples/s):")
-    for name, *_ in configs[1:]:
-        print(f"  {name:<55} {results[name]['examples_per_s'] / base:.2f}x")
-    ours, raw = results[configs[1][0]]["step_s"], results[configs[2][0]]["step_s"]
-    print(f"\nstep time, hand-written MWMS loop / distribute='multiworker' (defaults): {raw / ours:.3f} "
+          f"{args.steps} timed steps after {args.warmup} warm-up; {args.rounds} round(s); {os.cpu_count()} CPUs; "
+          f"load average at start {os.getloadavg()[0]:.2f}")
+    for round_number in range(args.rounds):
+        order = configs if round_number % 2 == 0 else configs[::-1]
+        for name, kind, workers, env in order:
+            result = run_config(kind, workers, env, args)
+            steps[name].append(result["step_s"])
+            print(f"  round {round_number + 1}: {name:<55} step {result['step_s'] * 1000:8.1f} ms", flush=True)
+    print(f"\nmedians (load average at end {os.getloadavg()[0]:.2f}):")
+    base, ceiling = median(steps[configs[0][0]]), median(steps[configs[1][0]])
+    for name, _, workers, _ in configs:
+        step = median(steps[name])
+        print(f"  {name:<55} step {step * 1000:8.1f} ms  {PER_WORKER_BATCH * workers / step:9.0f} examples/s  "
+              f"scaling {workers * base / step:.2f}x  ({ceiling / step:.0%} of the ceiling's pace)")
+    ours, raw = median(steps[configs[1][0]]), median(steps[configs[2][0]])
+    print(f"\nstep time, hand-written MWMS loop / distribute='multiworker' (default): {raw / ours:.3f} "
           "(>= 1 means kerasdist is as fast or faster)")
 
 

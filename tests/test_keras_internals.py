@@ -166,3 +166,52 @@ def test_symbolic_build_creates_metric_and_optimizer_state_from_specs():
     internals.symbolic_build(model, (tf.TensorSpec((None, 3)), tf.TensorSpec((None, 2))))
     assert model.optimizer.built and len(model.optimizer.variables) > 2  # momentum slots
     assert {v.path.split("/")[0] for v in model.metrics_variables} >= {"loss", "mean_absolute_error"}
+
+
+def test_gradient_all_reduce_can_be_routed_and_restored():
+    """``TFOptimizer._backend_update_step`` sums gradients through ``_all_reduce_sum_gradients`` (the
+    multiworker plugin routes it to its TCP ring): a routed sum must see every dense gradient, once."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    x, y = np.random.RandomState(0).rand(16, 3).astype("float32"), np.zeros((16, 2), "float32")
+
+    def train(route):
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        seen = []
+
+        def summed(tensors):
+            seen.append([tuple(t.shape) for t in tensors])
+            return tf.distribute.get_replica_context().all_reduce("SUM", tensors)
+
+        if route:
+            internals.route_gradient_all_reduce(model.optimizer, strategy, summed)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+        return model, seen
+
+    routed, seen = train(route=True)
+    plain, not_seen = train(route=False)
+    assert seen and all(shapes == [(3, 2), (2,)] for shapes in seen) and not not_seen
+    for a, b in zip(routed.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-7)
+    internals.route_gradient_all_reduce(routed.optimizer, strategy, None)
+    assert "_all_reduce_sum_gradients" not in vars(routed.optimizer)
+
+
+def test_log_summer_replaces_the_per_log_reduce_for_float_scalars():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    calls = []
+
+    def summed(tensors):
+        calls.append(len(tensors))
+        return [t * 2 for t in tensors]  # as if two workers had the same value
+
+    internals.set_log_summer(strategy, 2, summed)
+    try:
+        logs = {"loss": tf.constant(3.0), "count": tf.constant(4)}
+        means = internals._mean_over_workers(logs, strategy)
+        assert calls == [1] and float(means["loss"]) == 3.0 and int(means["count"]) == 4
+    finally:
+        internals.set_log_summer(strategy, 0, None)
+    assert id(strategy) not in internals._log_summers

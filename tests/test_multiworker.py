@@ -178,14 +178,50 @@ def test_tf_data_input_is_sharded_and_equals_single_process_on_the_global_batch(
     """A tf.data.Dataset of global batches: each worker trains on its shard, the result is the same
     as one process on the global batch (auto-shard DATA splits every global batch between workers)."""
     common = [WORKER, "--dataset", "--epochs", "2", "--examples", "96", "--batch", "16"]
-    run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", *common, "--out", str(tmp_path / "mw")],
-        timeout=180)
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", *common, "--out", str(tmp_path / "mw")],
+                 timeout=180)
     run(python(*common, "--distribute", "none", "--out", str(tmp_path / "single")), timeout=120)
     w0, w1, single = weights(tmp_path / "mw", 0), weights(tmp_path / "mw", 1), weights(tmp_path / "single", 0)
     print(f"tf.data: max |w0 - w1| = {max_diff(w0, w1):.3g}; max |w0 - single| = {max_diff(w0, single):.3g}")
+    assert "[0] TRANSPORT tcp" in result.stdout  # the default on CPU workers
     assert max_diff(w0, w1) == 0.0
     assert max_diff(w0, single) <= 1e-5
     assert max_diff(w0, _initial()) > 1e-3  # training moved the weights: the comparison can fail
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("communication, transport", [("tcp", "tcp"), ("ring", "tensorflow")])
+def test_both_gradient_transports_equal_single_process_training(tmp_path, communication, transport):
+    """kerasdist's TCP ring and TensorFlow's gRPC collectives give the same training and the same logs."""
+    common = [WORKER, "--dataset", "--epochs", "2", "--examples", "96", "--batch", "16"]
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", "--communication", communication,
+                  *common, "--out", str(tmp_path / "mw")], timeout=180)
+    single = run(python(*common, "--distribute", "none", "--out", str(tmp_path / "single")), timeout=120)
+    assert f"[0] TRANSPORT {transport}" in result.stdout and f"[1] TRANSPORT {transport}" in result.stdout
+    w0, w1 = weights(tmp_path / "mw", 0), weights(tmp_path / "mw", 1)
+    to_single = max_diff(w0, weights(tmp_path / "single", 0))
+    logs, single_logs = _final_logs(result.stdout), _final_logs(single.stdout)
+    print(f"{communication}: max |w0 - w1| = {max_diff(w0, w1):.3g}; max |w0 - single| = {to_single:.3g}; "
+          f"logs {logs} vs single {single_logs}")
+    assert max_diff(w0, w1) == 0.0 and to_single <= 1e-5
+    for key in ("loss", "mae"):  # per-step logs averaged over the workers = the global batch's
+        assert abs(logs[key] - single_logs[key]) <= 1e-5
+
+
+def _final_logs(output):
+    return json.loads(next(line for line in output.splitlines() if "FINAL " in line).split("FINAL ", 1)[1])
+
+
+@pytest.mark.timeout(120)
+def test_workers_disagreeing_on_the_tcp_ring_stop_with_a_clear_error():
+    ports = [free_port(), free_port()]
+    procs = [start(python(WORKER, "--out", "/nonexistent"), TF_CONFIG=tf_config(ports, i),
+                   KERASDIST_JOIN_TIMEOUT=60, KERASDIST_COMMUNICATION=setting)
+             for i, setting in enumerate(("tcp", "ring"))]
+    for code, output in finish(procs, timeout=100):
+        assert code != 0, output[-3000:]
+        assert ("KERASDIST_COMMUNICATION=tcp (worker 0) asks for the TCP gradient ring, which cannot run "
+                "(worker 1: KERASDIST_COMMUNICATION=ring)") in output, output[-3000:]
 
 
 def _initial():

@@ -85,6 +85,9 @@ def main():
         assert callbacks[1].filepath == os.path.join(args.write_dir, "model.keras"), "paths given back"
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"weights-{task}.npz"), *model.get_weights())
+    if not cluster.is_local:
+        from kerasdist_plugins.multiworker import gradient_transport
+        print(f"TRANSPORT {gradient_transport()}", flush=True)
     if chief:
         print("FINAL " + json.dumps({k: v[-1] for k, v in history.history.items()}
                                     | {"epochs_run": len(history.epoch)}), flush=True)
