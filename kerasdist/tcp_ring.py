@@ -48,7 +48,7 @@ class TcpRing:
             raise ValueError(f"rank {rank} is outside a ring of {size}")
         self.rank, self.size, self.timeout = rank, size, timeout
         self._right, self._left = right, left
-        self._sent = self._received = 0
+        self._messages = 0  # sent = received: every exchange sends one message and receives one
         self._lock = threading.Lock()
         self._broken = None
 
@@ -145,7 +145,7 @@ class TcpRing:
     def _exchange(self, send_array, receive_array):
         """Send one array to the right while receiving one from the left (no deadlock on full buffers)."""
         in_header = bytearray(_HEADER.size)
-        outgoing = _nonempty(memoryview(_HEADER.pack(self._sent, send_array.nbytes)), _bytes_view(send_array))
+        outgoing = _nonempty(memoryview(_HEADER.pack(self._messages, send_array.nbytes)), _bytes_view(send_array))
         incoming = _nonempty(memoryview(in_header), _bytes_view(receive_array))
         payload = len(incoming) - 1
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
@@ -168,9 +168,8 @@ class TcpRing:
                 if not len(incoming[0]):
                     incoming.pop(0)
                     if len(incoming) == payload:  # the header is in: check it before the payload
-                        _check_header(in_header, self._received, receive_array.nbytes)
-        self._sent += 1
-        self._received += 1
+                        _check_header(in_header, self._messages, receive_array.nbytes)
+        self._messages += 1
 
 
 def _nonempty(*views):
@@ -193,13 +192,14 @@ def _family(host):
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def _split(address):
+def split_address(address):
+    """(host, port) of "host:port" or "[v6 host]:port"."""
     host, port = address.rsplit(":", 1)
     return host.strip("[]"), int(port)
 
 
 def _connect(address, deadline):
-    host, port = _split(address)
+    host, port = split_address(address)
     while True:
         try:
             return socket.create_connection((host, port), timeout=max(deadline - time.monotonic(), 0.001))

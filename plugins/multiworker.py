@@ -398,7 +398,7 @@ def agree_on_ring(strategy, cluster, options):
 
     listener, offer = None, _ring_refusal(strategy, options)
     if offer is None:
-        host = cluster.cluster[cluster.task_type][cluster.task_index].rsplit(":", 1)[0].strip("[]")
+        host, _ = tcp_ring.split_address(cluster.cluster[cluster.task_type][cluster.task_index])
         try:
             listener, offer = tcp_ring.listen(host)
         except OSError as exc:

@@ -108,7 +108,7 @@ def test_worker_killed_in_epoch_3_of_5_resumes_with_epochs_3_to_5(tmp_path):
     second = run(launch + common + crash, timeout=150, env=env)
     begun = [line for line in second.stdout.splitlines() if "EPOCH_BEGIN" in line]
     assert begun == ["[0] EPOCH_BEGIN 3", "[0] EPOCH_BEGIN 4", "[0] EPOCH_BEGIN 5"], second.stdout[-3000:]
-    final = json.loads(next(line for line in second.stdout.splitlines() if "FINAL" in line).split("FINAL ", 1)[1])
+    final = _final_logs(second.stdout)
     print("resumed run's final metrics:", final)
     assert final["epochs_run"] == 3 and np.isfinite(final["loss"])
     assert not os.path.exists(tmp_path / "backup" / "fit0"), "backup removed after a completed fit"
