@@ -8,7 +8,7 @@ private attributes and ``Variable._initialize``. Everything private lives here;
 ``tests/test_keras_internals.py`` fails loudly when a Keras release changes it.
 """
 
-import keras
+import contextlib
 
 #: Keras releases these internals were read and tested against.
 CHECKED_KERAS_VERSIONS = ("3.15",)
@@ -19,6 +19,8 @@ _OPTIMIZER_STRATEGY_ATTR = "_distribution_strategy"
 
 def keras_version_checked():
     """True when the running Keras is one these internals were checked against."""
+    import keras
+
     return any(keras.__version__.startswith(v + ".") or keras.__version__ == v
                for v in CHECKED_KERAS_VERSIONS)
 
@@ -31,6 +33,19 @@ def bound_strategy(model):
 def bind_model(model, strategy):
     """Record ``strategy`` as the model's strategy, as construction under its scope would."""
     setattr(model, _MODEL_STRATEGY_ATTR, strategy)
+
+
+@contextlib.contextmanager
+def unbound_from_strategy(model):
+    """Run Keras's own loops for ``model`` as if it had been built outside any strategy."""
+    import tensorflow as tf
+
+    bound = bound_strategy(model)
+    bind_model(model, tf.distribute.get_strategy())
+    try:
+        yield model
+    finally:
+        bind_model(model, bound)
 
 
 def optimizer_strategy(optimizer):
@@ -72,12 +87,14 @@ def move_to_strategy(model, strategy, optimizer=None):
     """Move ``model`` (weights, non-trainable state, seed generators, compiled
     metrics) and ``optimizer`` (built or not, trained or not) under ``strategy``,
     values preserved, and bind both to it."""
+    from .plugin_tools import unique_variables
+
     optimizers = _optimizer_chain(optimizer)
     old_keys = {id(o): _trainable_keys(o) for o in optimizers}
     variables = _all_model_variables(model)
     for opt in optimizers:
         variables += list(opt.variables)
-    _move_variables(_unique(variables), strategy)
+    _move_variables(unique_variables(variables), strategy)
     bind_model(model, strategy)
     for opt in optimizers:
         setattr(opt, _OPTIMIZER_STRATEGY_ATTR, strategy)
@@ -111,16 +128,9 @@ def _rekey_optimizer(optimizer, old_keys):
 
 
 def _all_model_variables(model):
-    return _unique(list(model.variables) + list(_metric_variables(model)))
+    from .plugin_tools import unique_variables
 
-
-def _unique(variables):
-    seen, result = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            result.append(variable)
-    return result
+    return unique_variables(list(model.variables) + list(_metric_variables(model)))
 
 
 def _metric_variables(model):
@@ -159,7 +169,7 @@ def install_multiworker_fit_fixes():
     if _multiworker_patches:
         return
     import tensorflow as tf
-    from keras.src import tree
+    from keras import tree
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
@@ -192,7 +202,7 @@ def install_multiworker_fit_fixes():
 def _mean_over_workers(values, strategy):
     """Keras's per-step logs averaged over the workers: float scalars through the strategy's
     log summer when one is set (one message for all of them), the rest by ``strategy.reduce``."""
-    from keras.src import tree
+    from keras import tree
 
     flat = tree.flatten(values)
     summer = _log_summers.get(id(strategy))
@@ -290,6 +300,7 @@ def make_chief_aware_backup(backup_dir, write_dir, **kwargs):
     """A ``keras.callbacks.BackupAndRestore`` that restores from ``backup_dir`` but
     writes (and deletes at the end) ``write_dir``: non-chief workers read the
     chief's backup and write theirs to a temporary directory."""
+    import keras
     from keras.src.utils import file_utils
 
     class ChiefAwareBackupAndRestore(keras.callbacks.BackupAndRestore):
@@ -302,15 +313,6 @@ def make_chief_aware_backup(backup_dir, write_dir, **kwargs):
             self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
 
     return ChiefAwareBackupAndRestore(backup_dir, **kwargs)
-
-
-def backup_dir_of(callback):
-    return callback.backup_dir
-
-
-def initial_epoch_of(model):
-    """The epoch a restored model resumes from (set by BackupAndRestore), or 0."""
-    return getattr(model, "_initial_epoch", None) or 0
 
 
 # -- parameter-server strategy (kerasdist_plugins.ps) --------------------------------------------

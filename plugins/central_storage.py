@@ -31,7 +31,7 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.devices import check_devices_exist, local_replica_devices
+    from kerasdist.plugin_tools import check_devices_exist, local_replica_devices
 
     devices = list(spec.compute_devices) if spec.compute_devices else local_replica_devices()
     check_devices_exist(devices + ([spec.parameter_device] if spec.parameter_device else []),

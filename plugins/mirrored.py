@@ -39,7 +39,7 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.devices import check_devices_exist, local_replica_devices
+    from kerasdist.plugin_tools import check_devices_exist, local_replica_devices
 
     if spec.cross_device_ops not in _CROSS_DEVICE_OPS:
         raise kerasdist.KerasdistError(

@@ -19,12 +19,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
 import hvd_common as common  # noqa: E402
 
 from kerasdist_plugins import horovod as plugin  # noqa: E402
+from runif import HOROVODRUN, run_if  # noqa: E402
 
-HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
 WORKER = os.path.join(ROOT, "tests", "workers", "hvd_train.py")
-needs_horovod = pytest.mark.skipif(
-    plugin.unavailable_reason() is not None or not os.path.exists(HOROVODRUN),
-    reason=f"horovod is not built here ({plugin.unavailable_reason()}); `make test` builds it")
+needs_horovod = run_if(horovod=True)
 
 
 def horovodrun(mode, outdir, timeout, check=True):
@@ -245,7 +243,7 @@ def horovod_missing(monkeypatch, tmp_path):
             spec.submodule_search_locations = [str(tmp_path)]
             return spec
 
-        monkeypatch.setattr(plugin.importlib.util, "find_spec", find_spec)
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     return fake
 
 

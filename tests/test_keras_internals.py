@@ -130,7 +130,7 @@ def test_chief_aware_backup_restores_from_one_dir_and_writes_another(tmp_path):
     assert epochs == [2]  # resumed after the 2 completed epochs
     assert open(shared / "training_metadata.json").read() == before  # the shared backup is read only
     assert '"epoch": 3' in open(scratch / "training_metadata.json").read()
-    assert internals.backup_dir_of(callback) == str(scratch)
+    assert callback.backup_dir == str(scratch)
 
 
 # -- parameter-server strategy (kerasdist_plugins.ps) --------------------------------------------

@@ -233,13 +233,13 @@ def _initial():
 
 
 def test_shuffled_multi_input_multi_output_arrays_keep_their_structure():
-    from kerasdist_plugins import multiworker
+    from kerasdist_plugins.multiworker import workers
 
     rng = np.random.default_rng(0)
     a, b = rng.random((10, 3), dtype="float32"), rng.random((10, 5), dtype="float32")
     y1, y2 = rng.random((10, 1), dtype="float32"), rng.random((10, 2), dtype="float32")
     call_kwargs = {"x": [a, b], "y": [y1, y2], "batch_size": 4, "shuffle": True}
-    multiworker._shuffle_arrays_alike(call_kwargs, seed=3)
+    workers.shuffle_arrays_alike(call_kwargs, seed=3)
     (xa, xb), (t1, t2) = next(iter(call_kwargs["x"]))
     assert (xa.shape, xb.shape, t1.shape, t2.shape) == ((4, 3), (4, 5), (4, 1), (4, 2))
     rows = [int(np.flatnonzero(np.all(a == row, axis=1))[0]) for row in xa.numpy()]

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import kerasdist
 import kerasdist_plugins.ps as ps_plugin
+from kerasdist_plugins.ps import data as ps_data
 from tests.helpers import PYTHON, ROOT, child_env, free_port, kill_group, run
 
 SERVER = os.path.join(ROOT, "tests", "workers", "ps_server.py")
@@ -103,7 +104,7 @@ def test_input_errors_name_the_input_and_the_fix(monkeypatch):
         ps_plugin.training_input(None, dataset, y, None, 4, True)
     with pytest.raises(kerasdist.KerasdistError, match="cannot feed x of type dict_itemiterator"):
         ps_plugin.training_input(None, iter({}.items()), None, None, None, True)
-    monkeypatch.setattr(ps_plugin, "MAX_NUMPY_BYTES", 16)
+    monkeypatch.setattr(ps_data, "MAX_NUMPY_BYTES", 16)
     with pytest.raises(kerasdist.KerasdistError, match="NumPy input is 0 MiB; above 0 MiB"):
         ps_plugin.training_input(None, x, y, None, 4, True)
     monkeypatch.undo()

@@ -1,4 +1,4 @@
-"""kerasdist's TCP ring all-reduce (kerasdist/tcp_ring.py) between real processes on 127.0.0.1."""
+"""kerasdist's TCP ring all-reduce (plugins/multiworker/ring.py) between real processes on 127.0.0.1."""
 
 import os
 
@@ -75,7 +75,7 @@ def test_strangers_connecting_to_a_ring_port_are_turned_away():
     import socket
     import threading
 
-    from kerasdist import tcp_ring
+    from kerasdist_plugins.multiworker import ring as tcp_ring
 
     listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
     addresses = [address for _, address in listeners]

@@ -13,6 +13,7 @@ import pytest
 import kerasdist
 import kerasdist.registry
 from kerasdist_plugins import tensorrt as trt_plugin
+from runif import run_if
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +179,7 @@ def test_engine_build_errors(model, tmp_path, monkeypatch):
     assert not (tmp_path / "m.engine").exists()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(trt_plugin.tensorrt_absent_reason() is not None,
-                    reason="needs an NVIDIA GPU and the tensorrt package")
+@run_if(nvidia_gpu=True)
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_real_engine_builds_and_deserializes_on_an_nvidia_gpu(model, data, tmp_path, precision):
     import tensorrt as trt

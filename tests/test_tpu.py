@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import kerasdist
 import kerasdist_plugins.tpu as tpu_plugin
+from runif import run_if
 from tests.helpers import free_port
 
 
@@ -80,8 +81,7 @@ def test_strategy_built_from_resolver_up_to_the_hardware(monkeypatch):
     assert calls[0][1].master() == target
 
 
-@pytest.mark.tpu
-@pytest.mark.skipif(tpu_plugin.tpu_absent_reason() is not None, reason="needs a Cloud TPU")
+@run_if(tpu=True)
 def test_trains_on_a_real_tpu():
     model = _model()
     model.compile(loss="mse", optimizer="sgd", distribute="tpu")

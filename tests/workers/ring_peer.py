@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from kerasdist import tcp_ring
+from kerasdist_plugins.multiworker import ring as tcp_ring
 
 SUM_CASES = {  # name -> (shape, dtype)
     "empty": ((0,), "float32"), "one": ((1,), "float32"), "odd": ((7, 3), "float64"),

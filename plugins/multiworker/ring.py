@@ -1,11 +1,9 @@
 """Ring all-reduce over plain TCP sockets between the worker processes of one cluster.
 
-TensorFlow's CPU collectives travel over gRPC: on this project's 2-core machine a
-2 MiB all-reduce between two local workers takes about 14 ms, 10 ms of it CPU
-time, which the workers' compute then lacks. The same ring (reduce-scatter, then
-all-gather, one neighbour each way) over sockets moves the bytes with a few
-syscalls. Every chunk is summed by one worker and then copied to the others, so all
-workers end with the same bits.
+The same algorithm as TensorFlow's CPU ring collective (reduce-scatter, then all-gather, one
+neighbour each way), with the bytes moved by a few socket calls instead of gRPC messages, which
+cost CPU time that the workers' compute then lacks (measured in docs/benchmarks.md). Every chunk
+is summed by one worker and then copied to the others, so all workers end with the same bits.
 """
 
 import select
@@ -16,7 +14,8 @@ import time
 
 import numpy as np
 
-from kerasdist.errors import KerasdistError
+from kerasdist import KerasdistError
+from kerasdist.plugin_tools import split_address
 
 _MAGIC = b"kerasdist-ring/1"
 _HELLO = struct.Struct("!16sII")  # magic, rank, size
@@ -190,12 +189,6 @@ def _bytes_view(array):
 
 def _family(host):
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def split_address(address):
-    """(host, port) of "host:port" or "[v6 host]:port"."""
-    host, port = address.rsplit(":", 1)
-    return host.strip("[]"), int(port)
 
 
 def _connect(address, deadline):

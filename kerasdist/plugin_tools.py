@@ -1,0 +1,150 @@
+"""The toolkit for plugins: the public API a plugin may use besides the hooks and ``kerasdist.*``.
+
+Built-in plugins use nothing else, so a third-party plugin can do everything they do.
+
+Stability: everything listed in ``__all__`` is public. A change to a name or signature is announced
+one minor release ahead with a ``DeprecationWarning``. Functions that adapt Keras/TensorFlow
+internals (the second group) are re-checked for every Keras release kerasdist supports
+(``kerasdist.plugin_tools.CHECKED_KERAS_VERSIONS``); their behaviour, not their implementation, is
+the contract.
+"""
+
+import math
+import numbers
+import socket
+import sys
+
+from ._keras_internals import (CHECKED_KERAS_VERSIONS, bind_model, bound_strategy, configure_coordination,
+                               flatten_metrics_in_order, install_multiworker_fit_fixes,
+                               is_multiworker_strategy, make_chief_aware_backup,
+                               move_to_strategy, parameter_server_strategy, route_gradient_all_reduce,
+                               set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy)
+from .devices import check_devices_exist, local_replica_devices
+from .errors import ClusterConfigError, KerasdistError
+
+__all__ = [
+    # values and the environment
+    "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
+    "is_dataset", "unique_variables", "local_replica_devices", "check_devices_exist",
+    # Keras / TensorFlow adapters
+    "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
+    "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",
+    "set_log_summer", "tf_context_initialized", "configure_coordination", "make_chief_aware_backup",
+    "parameter_server_strategy", "symbolic_build",
+    "flatten_metrics_in_order",
+]
+
+
+# -- values and the environment ---------------------------------------------------------------
+
+def check_number(value, name, where, *, minimum=None, maximum=None, integer=False, allow_none=False,
+                 inclusive_minimum=True, error=KerasdistError):
+    """Return ``value`` as a Python int/float if it is a finite number in range, else raise ``error``.
+
+    NumPy scalars are accepted; bools, strings, NaN and infinities are not. The message names
+    ``where`` (e.g. ``"multiworker"``), the option, the value and what is valid.
+    """
+    if value is None and allow_none:
+        return None
+    kind = numbers.Integral if integer else numbers.Real
+    ok = isinstance(value, kind) and not isinstance(value, bool) and math.isfinite(float(value))
+    if ok and minimum is not None:
+        ok = value >= minimum if inclusive_minimum else value > minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if not ok:
+        what = "a whole number" if integer else "a number"
+        bounds = []
+        if minimum is not None:
+            bounds.append(f"{'>=' if inclusive_minimum else '>'} {minimum:g}")
+        if maximum is not None:
+            bounds.append(f"<= {maximum:g}")
+        suffix = f" {' and '.join(bounds)}" if bounds else ""
+        none = " (or None)" if allow_none else ""
+        raise error(f"{where}: {name}={value!r} is not valid; give {what}{suffix}{none}.")
+    return int(value) if integer else float(value)
+
+
+def check_choice(value, name, where, choices, *, allow_none=False, error=KerasdistError):
+    """Return ``value`` lowercased if it is one of ``choices`` (strings), else raise ``error``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, str) and value.strip().lower() in choices:
+        return value.strip().lower()
+    import difflib
+
+    close = difflib.get_close_matches(str(value).lower(), choices, n=1) if isinstance(value, str) else []
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise error(f"{where}: {name}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}.{hint}")
+
+
+def number_from_env(environ, name, kind=float, default=None, *, minimum=0, maximum=None):
+    """The number in environment variable ``name`` (``default`` when unset or empty), checked like
+    :func:`check_number`; a bad value raises :class:`kerasdist.ClusterConfigError` naming the variable."""
+    raw = environ.get(name, "")
+    if raw is None or not str(raw).strip():
+        return default
+    try:
+        value = kind(str(raw).strip())
+    except ValueError:
+        value = raw
+    bounds = [f">= {minimum:g}"] if minimum is not None else []
+    bounds += [f"<= {maximum:g}"] if maximum is not None else []
+    what = "a whole number" if kind is int else "a number"
+    ok = (isinstance(value, (int, float)) and math.isfinite(value)
+          and (minimum is None or value >= minimum) and (maximum is None or value <= maximum))
+    if not ok:
+        raise ClusterConfigError(f"{name}={raw!r} is not valid: give {what} {' and '.join(bounds)}.".replace(" .", "."))
+    return value
+
+
+def split_address(address, what="address", error=ClusterConfigError):
+    """``(host, port)`` of ``"host:port"`` or ``"[v6 host]:port"``; raises ``error`` naming ``what``."""
+    text = str(address) if isinstance(address, str) else None
+    host, sep, port = (text or "").rpartition(":")
+    host = host.strip("[]")
+    if text is None or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise error(f"{what} {address!r} is not 'host:port' with a port in 1..65535 (e.g. '10.0.0.2:2222').")
+    return host, int(port)
+
+
+def port_is_free(port, host="0.0.0.0"):
+    """Whether a server could bind ``port`` on ``host`` (TensorFlow's gRPC servers bind every
+    interface, hence the default)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def unreachable(addresses, timeout=1.0):
+    """``{address: reason}`` for each ``"host:port"`` in ``addresses`` that does not accept a TCP connection."""
+    down = {}
+    for address in addresses:
+        try:
+            host, port = split_address(address)
+            with socket.create_connection((host, port), timeout=timeout):
+                pass
+        except (OSError, KerasdistError) as exc:
+            down[address] = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return down
+
+
+def is_dataset(value):
+    """True for a ``tf.data.Dataset`` (imports nothing: no TensorFlow loaded means no dataset)."""
+    tf = sys.modules.get("tensorflow")
+    data = getattr(tf, "data", None) if tf is not None else None
+    return data is not None and isinstance(value, data.Dataset)
+
+
+def unique_variables(variables):
+    """``variables`` in order, each object once (Keras variables are unhashable by value)."""
+    seen, result = set(), []
+    for variable in variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            result.append(variable)
+    return result

@@ -1,0 +1,211 @@
+"""distribute="horovod": Horovod ring all-reduce for Keras 3, one process per rank.
+
+Launch with ``horovodrun -np 2 -H localhost:2 python train.py``; the script only says
+``model.compile(..., distribute="horovod")``. Horovod's own Keras layer is Keras-2 only
+(``.ref()`` on variables, horovod#4290), so this plugin does the Keras 3 side itself on
+``horovod.tensorflow`` ops:
+
+- gradients: the compiled optimizer is given an ``apply`` that all-reduces gradients with
+  ``hvd.grouped_allreduce`` (tensor fusion) first, with the options of Horovod's
+  ``DistributedOptimizer`` (op, compression, backward_passes_per_step, sparse_as_dense,
+  gradient_predivide_factor, average_aggregated_gradients);
+- at the start of ``fit``: the model must be the same on every rank (checked, never a
+  hang), then weights and optimizer state are broadcast from rank 0;
+- epoch logs (and ``evaluate`` results) are averaged across ranks;
+- ``fit``/``evaluate`` data is sharded by rank (whole batches; the user's batch size is
+  per rank), with the same number of steps on every rank;
+- checkpoints, TensorBoard, CSV logs and the progress bar run on rank 0 only;
+- optional learning-rate scaling by the world size and Horovod's warm-up schedule.
+- elastic training (``horovodrun --min-np/--max-np``): :func:`run_elastic` instead of ``fit``.
+
+Each rank is one replica: the strategy is TensorFlow's default strategy.
+"""
+
+import warnings
+
+import kerasdist
+
+from .cluster import detect
+from .options import (BUILD_COMMAND, CPU_DEFAULTS, HOROVOD_VERSION, Horovod, check_options, check_runtime,
+                      import_horovod, unavailable_reason)
+
+#: Public names, imported on first use (they need Keras and Horovod).
+_LAZY = {"GradientReducer": "gradients", "distribute_optimizer": "gradients", "scale_learning_rate": "gradients",
+         "shard_dataset": "data", "shard_arrays": "data", "BroadcastStateCallback": "callbacks",
+         "MetricAverageCallback": "callbacks", "LearningRateWarmupCallback": "callbacks",
+         "CommitStateCallback": "callbacks", "average_logs": "callbacks", "broadcast_state": "callbacks",
+         "check_same_on_all_ranks": "callbacks", "model_signature": "callbacks", "run_elastic": "elastic",
+         "elastic_run": "elastic", "KerasElasticState": "elastic", "elastic_state_class": "elastic"}
+
+__all__ = ["Horovod", "HOROVOD_VERSION", "BUILD_COMMAND", "CPU_DEFAULTS", "check_options", "unavailable_reason",
+           *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- registration and availability ----------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_register_strategies(register):
+    register("horovod", Horovod, aliases=("hvd",), check=unavailable_reason, install=BUILD_COMMAND,
+             description="Horovod ring all-reduce (Gloo or MPI), one process per rank: "
+                         "launch with `horovodrun -np N python train.py`.")
+
+
+# -- cluster: detection, process start, strategy ---------------------------------
+
+@kerasdist.hookimpl(tryfirst=True)
+def kerasdist_detect_cluster(environ):
+    return detect(environ)
+
+
+@kerasdist.hookimpl
+def kerasdist_auto_strategy(cluster):
+    return "horovod" if cluster.source == "horovod" else None
+
+
+@kerasdist.hookimpl
+def kerasdist_process_start(cluster, environ):
+    """Under horovodrun: Horovod's CPU defaults, one GPU per local rank, ``hvd.init()``."""
+    if cluster.source != "horovod":
+        return
+    for name, value in CPU_DEFAULTS.items():
+        environ.setdefault(name, value)
+    if unavailable_reason():
+        return  # compile(distribute="horovod") raises with the reason and the fix
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        tf.config.set_visible_devices(gpus[cluster.extra.get("local_rank", 0) % len(gpus)], "GPU")
+    import_horovod().init()
+
+
+@kerasdist.hookimpl
+def kerasdist_create_strategy(spec, cluster):
+    if not isinstance(spec, Horovod):
+        return None
+    import tensorflow as tf
+
+    check_options(spec)
+    hvd = import_horovod()
+    if cluster.source != "horovod":
+        warnings.warn("distribute='horovod' in a process not started by horovodrun: training on this "
+                      "one process. Launch it with `horovodrun -np N -H localhost:N python script.py` "
+                      "to train on N processes.", stacklevel=2)
+    hvd.init()  # a no-op when process start already did it
+    check_runtime(spec, hvd)
+    if tf.distribute.has_strategy():
+        raise kerasdist.StrategyConflictError(
+            "compile(distribute='horovod') was called inside a tf.distribute strategy scope; call it "
+            "outside any `with strategy.scope():` block (Horovod runs one replica per process).")
+    return tf.distribute.get_strategy()
+
+
+_optimizers_wrapped = 0
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, spec):
+    global _optimizers_wrapped
+    if not isinstance(spec, Horovod):
+        return
+    import horovod.tensorflow as hvd
+
+    from .gradients import GradientReducer, constant_learning_rate, distribute_optimizer, scale_learning_rate
+
+    jit = compile_kwargs.get("jit_compile", "auto")
+    if jit is True and hvd.size() > 1:
+        raise kerasdist.KerasdistError(
+            "compile(jit_compile=True, distribute='horovod'): XLA cannot compile Horovod's all-reduce "
+            "(this build leaves out Horovod's XLA ops); pass jit_compile=False or 'auto'.")
+    compile_kwargs["jit_compile"] = False
+    optimizer = compile_kwargs["optimizer"]
+    if spec.backward_passes_per_step > 1 and getattr(optimizer, "gradient_accumulation_steps", None):
+        raise kerasdist.KerasdistError(
+            f"horovod: backward_passes_per_step={spec.backward_passes_per_step} and the optimizer's "
+            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} both accumulate "
+            "gradients; use one of them (backward_passes_per_step also saves all-reduces).")
+    _optimizers_wrapped += 1  # the same count on every rank running the same script
+    previous = optimizer.__dict__.get("_kerasdist_horovod")
+    reducer = GradientReducer(hvd, spec, name=f"kerasdist_gradients_{_optimizers_wrapped}")
+    reducer.lr_scaled = getattr(previous, "lr_scaled", False)
+    distribute_optimizer(optimizer, reducer)
+    if spec.scale_learning_rate and not reducer.lr_scaled:
+        scale_learning_rate(optimizer, hvd.size())
+        reducer.lr_scaled = True
+    reducer.warmup_target_lr = getattr(previous, "warmup_target_lr", None)
+    if spec.warmup_epochs:
+        if not constant_learning_rate(optimizer):
+            raise kerasdist.KerasdistError(
+                f"horovod: warmup_epochs={spec.warmup_epochs} needs a constant (float) learning rate, but "
+                "the optimizer uses a schedule; put the warm-up into the schedule or set warmup_epochs=0.")
+        if reducer.warmup_target_lr is None:  # fixed once: a fit stopped mid-warm-up must not lower it
+            reducer.warmup_target_lr = float(optimizer.learning_rate.numpy())
+
+
+# -- fit / evaluate: data, callbacks ------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_prepare_dataset(dataset, method, spec):
+    if not isinstance(spec, Horovod) or not spec.shard or method == "predict":
+        return None
+    import horovod.tensorflow as hvd
+
+    if hvd.size() == 1:
+        return None
+    from .data import shard_dataset
+
+    return shard_dataset(dataset, hvd.rank(), hvd.size(), method)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, call_kwargs, model, spec):
+    if not isinstance(spec, Horovod):
+        return
+    import horovod.tensorflow as hvd
+
+    from .callbacks import BroadcastStateCallback, LearningRateWarmupCallback, MetricAverageCallback, chief_only
+    from .data import shard_call_data
+
+    rank, size = hvd.rank(), hvd.size()
+    callbacks = call_kwargs["callbacks"]
+    if rank != 0:
+        call_kwargs["verbose"] = 0
+        callbacks[:] = [c for c in callbacks if not chief_only(c)]
+    if size == 1:
+        return
+    if spec.shard and method in ("fit", "evaluate"):
+        shard_call_data(call_kwargs, rank, size, method)
+    if spec.average_metrics and method == "fit":
+        callbacks.insert(0, MetricAverageCallback())
+    if method == "fit":
+        if spec.warmup_epochs and not any(isinstance(c, LearningRateWarmupCallback) for c in callbacks):
+            target = getattr(model.optimizer.__dict__.get("_kerasdist_horovod"), "warmup_target_lr", None)
+            callbacks.insert(1, LearningRateWarmupCallback(initial_lr=target, warmup_epochs=spec.warmup_epochs))
+        callbacks.append(BroadcastStateCallback())  # last: after any callback that loads state on rank 0
+
+
+@kerasdist.hookimpl
+def kerasdist_run_call(method, call, call_kwargs, model, spec):
+    """``evaluate``: return the results averaged across ranks (Keras hands callbacks a copy)."""
+    if not isinstance(spec, Horovod) or method != "evaluate" or not spec.average_metrics:
+        return None
+    import horovod.tensorflow as hvd
+
+    if hvd.size() == 1:
+        return None
+    from kerasdist.plugin_tools import flatten_metrics_in_order
+
+    from .callbacks import average_logs
+
+    return_dict = call_kwargs.pop("return_dict", False)
+    logs = call(**call_kwargs, return_dict=True)
+    average_logs(logs)
+    return logs if return_dict else flatten_metrics_in_order(model, logs)

@@ -1,0 +1,140 @@
+"""Gradients: Horovod's DistributedOptimizer for Keras 3, on ``horovod.tensorflow`` ops."""
+
+import kerasdist
+
+from .options import compression_name, is_compressor, op_name
+
+
+class GradientReducer:
+    """What Horovod's DistributedOptimizer does to gradients, on ``horovod.tensorflow`` ops."""
+
+    def __init__(self, hvd, spec, name):
+        self.hvd, self.name = hvd, name
+        self.op = {"average": hvd.Average, "sum": hvd.Sum, "adasum": hvd.Adasum}[op_name(spec.op)]
+        self.compression = (spec.compression if is_compressor(spec.compression) else
+                            {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[
+                                compression_name(spec.compression)])
+        self.passes = spec.backward_passes_per_step
+        self.average_aggregated = spec.average_aggregated_gradients
+        self.sparse_as_dense = spec.sparse_as_dense
+        self.predivide = float(spec.gradient_predivide_factor)
+        self.accumulators, self.counter = None, None
+
+    def allreduce(self, grads):
+        """All-reduce a list of gradients (None kept); identity on a single process."""
+        import tensorflow as tf
+
+        if self.sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if self.hvd.size() == 1:
+            return list(grads)
+        dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        prescale, postscale = (1.0 / self.predivide, self.predivide) if self.op == self.hvd.Average else (1.0, 1.0)
+        result = list(grads)
+        if dense:
+            reduced = self.hvd.grouped_allreduce([grads[i] for i in dense], op=self.op,
+                                                 compression=self.compression, prescale_factor=prescale,
+                                                 postscale_factor=postscale, name=self.name)
+            for i, r in zip(dense, reduced):
+                result[i] = r
+        if sparse and (self.op == self.hvd.Adasum or self.predivide != 1.0):
+            raise kerasdist.KerasdistError(
+                "horovod: sparse gradients (tf.IndexedSlices, e.g. from an Embedding layer) cannot be "
+                "all-reduced with op='adasum' or gradient_predivide_factor != 1; pass sparse_as_dense=True.")
+        for n, i in enumerate(sparse):
+            result[i] = self.hvd.allreduce(grads[i], op=self.op, name=f"{self.name}_sparse_{n}")
+        return result
+
+    def apply(self, optimizer, apply_gradients, grads, variables):
+        """All-reduce (every ``passes``-th call, of the local sum) and apply."""
+        if self.passes == 1:
+            return apply_gradients(self.allreduce(grads), variables)
+        return self._accumulate_then_apply(optimizer, apply_gradients, grads, variables)
+
+    def _accumulate_then_apply(self, optimizer, apply_gradients, grads, variables):
+        import tensorflow as tf
+
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense else g
+                 for g in grads]
+        if any(isinstance(g, tf.IndexedSlices) for g in grads):
+            raise kerasdist.KerasdistError(
+                "horovod: backward_passes_per_step > 1 cannot accumulate sparse gradients "
+                "(tf.IndexedSlices); pass sparse_as_dense=True.")
+        if variables is not None and not optimizer.built:
+            with tf.init_scope():
+                optimizer.build(list(variables))
+        if self.accumulators is None:
+            with tf.init_scope():
+                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="kerasdist_passes")
+                self.accumulators = [None if g is None else
+                                     tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False,
+                                                 name="kerasdist_accumulated_gradient") for g in grads]
+        for accumulator, g in zip(self.accumulators, grads):
+            if g is not None:
+                accumulator.assign_add(g)
+        self.counter.assign_add(1)
+
+        def reduce_and_apply():
+            summed = [None if a is None else a.read_value() for a in self.accumulators]
+            reduced = self.allreduce(summed)
+            if self.average_aggregated:
+                reduced = [None if r is None else r / self.passes for r in reduced]
+            apply_gradients(reduced, variables)
+            for accumulator in self.accumulators:
+                if accumulator is not None:
+                    accumulator.assign(tf.zeros_like(accumulator))
+            self.counter.assign(0)
+            return tf.constant(True)
+
+        def count_step_only():
+            optimizer.iterations.assign_add(1)
+            return tf.constant(False)
+
+        tf.cond(self.counter >= self.passes, reduce_and_apply, count_step_only)
+
+
+class _AllreduceOptimizerMixin:
+    """Put first in a Keras optimizer's class: ``apply`` all-reduces the gradients first."""
+
+    def apply(self, grads, trainable_variables=None):
+        reducer = self.__dict__.get("_kerasdist_horovod")
+        if reducer is None:
+            return super().apply(grads, trainable_variables)
+        return reducer.apply(self, super().apply, list(grads), trainable_variables)
+
+
+_distributed_classes = {}
+
+
+def distribute_optimizer(optimizer, reducer):
+    """Make ``optimizer`` (same object: its state, built or not, is kept) all-reduce its gradients.
+
+    Its class becomes a subclass with the same name and module, so a saved model reloads
+    with the original optimizer class.
+    """
+    cls = type(optimizer)
+    if not issubclass(cls, _AllreduceOptimizerMixin):
+        if cls not in _distributed_classes:
+            _distributed_classes[cls] = type(cls.__name__, (_AllreduceOptimizerMixin, cls),
+                                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        object.__setattr__(optimizer, "__class__", _distributed_classes[cls])
+    object.__setattr__(optimizer, "_kerasdist_horovod", reducer)  # outside Keras/TF tracking
+    return optimizer
+
+
+
+def constant_learning_rate(optimizer):
+    import keras
+
+    return isinstance(optimizer.learning_rate, keras.Variable)
+
+
+def scale_learning_rate(optimizer, factor):
+    """Multiply a constant learning rate by ``factor`` (Horovod's ``lr * hvd.size()``)."""
+    if not constant_learning_rate(optimizer):
+        raise kerasdist.KerasdistError(
+            "horovod: scale_learning_rate=True needs a constant (float) learning rate, but the optimizer "
+            f"uses a schedule; multiply the schedule's initial learning rate by the world size ({factor}) "
+            "yourself and leave scale_learning_rate=False.")
+    optimizer.learning_rate = float(optimizer.learning_rate.numpy()) * factor

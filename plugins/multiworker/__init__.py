@@ -1,0 +1,124 @@
+"""distribute="multiworker": synchronous data parallelism across processes and machines.
+
+Each process gets a cluster (TF_CONFIG, Slurm; see ``cluster_env``). At ``import
+kerasdist`` the process joins the cluster and creates its
+``tf.distribute.MultiWorkerMirroredStrategy`` (collective ops can only be set up
+before TensorFlow runs an op); ``compile(distribute="multiworker")`` uses it.
+Only the chief writes progress, checkpoints and TensorBoard events, and
+``BackupAndRestore`` is on by default so that a relaunch resumes training.
+"""
+
+import os
+
+import kerasdist
+from kerasdist import ClusterConfigError
+from kerasdist.plugin_tools import number_from_env
+
+from .gradients import gradient_transport, use_ring
+from .join import TooLate, check_port_free, join_cluster, state
+from .options import (BACKUP_DIR_VAR, BYTES_PER_PACK_VAR, COLLECTIVE_TIMEOUT_VAR, COMMUNICATION_VAR,
+                      DEFAULT_JOIN_TIMEOUT, JOIN_TIMEOUT_VAR, SCRATCH_DIR_VAR, CollectiveOptions, MultiWorker,
+                      check_options_match, check_spec)
+
+__all__ = ["MultiWorker", "CollectiveOptions", "gradient_transport", "check_port_free", "is_worker_cluster",
+           "BACKUP_DIR_VAR", "BYTES_PER_PACK_VAR", "COLLECTIVE_TIMEOUT_VAR", "COMMUNICATION_VAR",
+           "JOIN_TIMEOUT_VAR", "SCRATCH_DIR_VAR"]
+
+
+# -- registration and choice -----------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_register_strategies(register):
+    register("multiworker", MultiWorker, aliases=("multi_worker", "multi-worker"),
+             description="Synchronous data parallelism across processes/machines over gRPC collectives "
+                         "(tf.distribute.MultiWorkerMirroredStrategy); cluster from TF_CONFIG or Slurm, "
+                         "or start local workers with `kerasdist launch -n N`.")
+
+
+def is_worker_cluster(cluster):
+    """A cluster multiworker can train on: chief/worker tasks, no parameter servers."""
+    return (not cluster.is_local and not cluster.has_parameter_servers
+            and cluster.source in ("tf_config", "slurm")
+            and cluster.task_type in ("chief", "worker"))
+
+
+@kerasdist.hookimpl
+def kerasdist_auto_strategy(cluster):
+    return "multiworker" if is_worker_cluster(cluster) else None
+
+
+@kerasdist.hookimpl
+def kerasdist_process_start(cluster, environ):
+    if not is_worker_cluster(cluster):
+        return
+    options = CollectiveOptions.from_env(environ)
+    join_timeout = number_from_env(environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT)
+    state.cluster, state.options = cluster, options
+    try:
+        state.strategy = join_cluster(cluster, options, join_timeout)
+    except TooLate as exc:
+        state.error = exc
+
+
+# -- compile -----------------------------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_create_strategy(spec, cluster):
+    if not isinstance(spec, MultiWorker):
+        return None
+    check_spec(spec)
+    if state.error is not None:
+        raise state.error
+    if state.strategy is None:
+        if cluster.is_local:
+            raise ClusterConfigError(
+                "distribute='multiworker' needs a cluster, and none was found: set TF_CONFIG in each worker, "
+                "run under Slurm's srun, or start the workers with `kerasdist launch -n N script.py`.")
+        if not is_worker_cluster(cluster):
+            raise ClusterConfigError(
+                f"distribute='multiworker' cannot run on this cluster ({cluster.source}, task "
+                f"{cluster.task_type}, jobs {sorted(cluster.cluster)}): it needs chief/worker tasks and no "
+                "'ps' job (parameter servers take a different strategy).")
+        state.cluster = cluster
+        state.options = CollectiveOptions.from_env(os.environ)
+        state.strategy = join_cluster(cluster, state.options,
+                                      number_from_env(os.environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT))
+    check_options_match(spec, state.options)
+    return state.strategy
+
+
+# -- fit / evaluate / predict --------------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_prepare_dataset(dataset, spec):
+    if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto":
+        return None
+    import tensorflow as tf
+
+    policy = {"data": tf.data.experimental.AutoShardPolicy.DATA,
+              "file": tf.data.experimental.AutoShardPolicy.FILE,
+              "off": tf.data.experimental.AutoShardPolicy.OFF}[spec.shard_policy.lower()]
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    return dataset.with_options(options)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
+    if not isinstance(spec, MultiWorker):
+        return
+    from . import workers
+
+    if method in ("fit", "evaluate"):
+        use_ring(model, strategy, method)
+    chief = bool(strategy.extended.should_checkpoint)
+    if method == "fit":
+        index = workers.count_fit()
+        workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
+        if spec.backup:
+            workers.add_backup(call_kwargs, workers.backup_dir(spec, strategy, index), chief)
+    if not chief:
+        if call_kwargs.get("verbose", "auto") != 0:
+            call_kwargs["verbose"] = 0
+        if method == "fit":  # the paths are given back at the end of training
+            workers.redirect_writes(call_kwargs, workers.scratch_dir())

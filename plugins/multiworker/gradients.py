@@ -1,0 +1,121 @@
+"""Gradients and logs over kerasdist's TCP ring, when every worker agrees to use it."""
+
+import sys
+
+from kerasdist import ClusterConfigError
+from kerasdist.plugin_tools import route_gradient_all_reduce, set_log_summer, split_address
+
+from . import ring as tcp_ring
+from .join import state
+from .options import COMMUNICATION_VAR
+
+#: How long workers wait for each other while connecting the gradient ring.
+RING_CONNECT_TIMEOUT = 60.0
+
+
+def use_ring(model, strategy, method):
+    """Send this model's gradients and logs over the TCP ring, when the workers agreed on one."""
+    if state.ring is None:
+        state.ring = agree_on_ring(strategy, state.cluster, state.options) or False
+    ring = state.ring
+    set_log_summer(strategy, ring.size if ring else 0, ring.sum_tensors if ring else None)
+    if method == "fit":
+        # an XLA-compiled step cannot call back into Python: it keeps TensorFlow's all-reduce
+        use = ring and not model.jit_compile
+        route_gradient_all_reduce(model.optimizer, strategy, ring.sum_tensors if use else None)
+
+
+def gradient_transport():
+    """How this process's multiworker gradients travel: "tcp" (kerasdist's ring), "tensorflow"
+    (TensorFlow's collectives), or None before the first ``fit``/``evaluate`` decided it."""
+    if state.ring is None:
+        return None
+    return "tcp" if state.ring else "tensorflow"
+
+
+def agree_on_ring(strategy, cluster, options):
+    """Connect the workers' TCP ring, or agree on TensorFlow's collectives; every worker runs this
+    at the same point (it runs two collectives), and all of them reach the same answer.
+
+    Each worker offers "<its communication setting>|<its ring address>", with "!why" in place of the
+    address when it will not use the ring (settings, GPUs) and "?why" when it cannot (sockets).
+    """
+    listener, offer = None, _ring_refusal(strategy, options)
+    if offer is None:
+        host, _ = split_address(cluster.cluster[cluster.task_type][cluster.task_index])
+        try:
+            listener, offer = tcp_ring.listen(host)
+        except OSError as exc:
+            offer = f"?cannot listen on {host}: {exc}"
+    offers, rank = _all_gather_text(strategy, f"{options.communication}|{offer}")
+    settings = [text.split("|", 1)[0] for text in offers]
+    offers = [text.split("|", 1)[1] for text in offers]
+    ring = None
+    if _refusals(offers):
+        if listener is not None:
+            listener.close()
+    else:
+        outcome = "ok"
+        try:
+            ring = tcp_ring.TcpRing.connect(listener, offers, rank, timeout=options.timeout_seconds,
+                                            connect_timeout=RING_CONNECT_TIMEOUT)
+        except (OSError, tcp_ring.RingError) as exc:
+            outcome = f"?cannot connect the ring: {exc}"
+        offers, _ = _all_gather_text(strategy, outcome)
+    refusals = _refusals(offers)
+    if not refusals:
+        return ring
+    if ring is not None:
+        ring.close()
+    why = "; ".join(f"worker {i}: {text[1:]}" for i, text in refusals)
+    if "tcp" in settings:
+        demanding = ", ".join(str(i) for i, setting in enumerate(settings) if setting == "tcp")
+        raise ClusterConfigError(
+            f"{COMMUNICATION_VAR}=tcp (worker {demanding}) asks for the TCP gradient ring, which cannot run "
+            f"({why}). Give every worker the same {COMMUNICATION_VAR}: auto (the ring when it can run) or "
+            "ring (TensorFlow's collectives).")
+    if any(text.startswith("?") for _, text in refusals) and strategy.extended.should_checkpoint:
+        print(f"kerasdist: multiworker uses TensorFlow's collectives instead of the TCP ring ({why})",
+              file=sys.stderr, flush=True)
+    return None
+
+
+def _refusals(offers):
+    return [(i, text) for i, text in enumerate(offers) if text[:1] in ("!", "?")]
+
+
+def _ring_refusal(strategy, options):
+    """Why this worker cannot (or is told not to) use the TCP ring, as "!reason", or None."""
+    if options.communication not in ("auto", "tcp"):
+        return f"!{COMMUNICATION_VAR}={options.communication}"
+    devices = strategy.extended.worker_devices
+    if len(devices) != 1:
+        return f"!{len(devices)} local replicas"
+    if "CPU" not in devices[0].upper():
+        return f"!trains on {devices[0]} (GPU: TensorFlow's collectives are faster there)"
+    return None
+
+
+_TEXT_WIDTH = 512
+
+
+def _all_gather_text(strategy, text):
+    """Every worker's ``text`` (in replica order) and this worker's replica index."""
+    import numpy as np
+    import tensorflow as tf
+
+    codes = np.zeros(_TEXT_WIDTH, np.int32)
+    raw = text.encode()[:_TEXT_WIDTH]
+    codes[:len(raw)] = list(raw)
+
+    @tf.function
+    def gather():
+        def each_replica():
+            context = tf.distribute.get_replica_context()
+            return context.all_gather(tf.constant(codes)[None], axis=0), context.replica_id_in_sync_group
+
+        return strategy.run(each_replica)
+
+    table, rank = (strategy.experimental_local_results(v)[0] for v in gather())
+    texts = [bytes(int(c) for c in row if c).decode(errors="replace") for row in table.numpy()]
+    return texts, int(rank)
