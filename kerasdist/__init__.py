@@ -4,19 +4,21 @@
     model.compile(loss=..., optimizer=..., distribute="mirrored")
 """
 
-from .cluster import ClusterInfo
+from .cluster import ClusterInfo, LaunchWorker, cluster_hint_variables
 from .devices import cpu_replicas_from_env as _cpu_replicas_from_env, split_cpu
 from .errors import (BackendError, ClusterConfigError, DuplicatePluginError, KerasdistError,
-                     PluginUnavailableError, PluginValidationError, StrategyConflictError,
+                     PluginUnavailableError, PluginValidationError, PluginWarning, StrategyConflictError,
                      UnknownPluginError)
+from .exporting import ExportResult, export
 from .hookspecs import hookimpl
 from .specs import OptimizationSpec, Plan, PluginSpec, StrategySpec
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendError", "ClusterConfigError", "ClusterInfo", "DuplicatePluginError", "KerasdistError",
-    "OptimizationSpec", "Plan", "PluginSpec", "PluginUnavailableError", "PluginValidationError",
+    "BackendError", "ClusterConfigError", "ClusterInfo", "DuplicatePluginError", "ExportResult", "KerasdistError",
+    "LaunchWorker", "OptimizationSpec", "Plan", "PluginSpec", "PluginUnavailableError", "PluginValidationError",
+    "PluginWarning", "cluster_hint_variables",
     "StrategyConflictError", "StrategySpec", "UnknownPluginError", "detect_cluster", "export",
     "hookimpl", "list_plugins", "register_plugin", "spec", "split_cpu", "strategy_of",
     "unregister_plugin",
@@ -38,13 +40,15 @@ def list_plugins():
 
 
 def register_plugin(plugin, name=None):
-    """Register a plugin object or module in this process (no entry point needed)."""
+    """Register a plugin object or module in this process (no entry point needed); raises a
+    :class:`PluginValidationError` or :class:`DuplicatePluginError` if it is not valid."""
     from .manager import get_system
 
     return get_system().add_plugin(plugin, name=name)
 
 
 def unregister_plugin(name):
+    """Unregister a plugin by the name it was registered under; names it overrode come back."""
     from .manager import get_system
 
     get_system().remove_plugin(name)
@@ -65,17 +69,6 @@ def strategy_of(model):
     return session.strategy if session else None
 
 
-def export(model, filepath, format, **options):
-    """Post-training conversion through a registered exporter (``kerasdist plugins``)."""
-    from .manager import get_system
-
-    entry = get_system().registry.get(format, kinds=("export",))
-    reason = entry.unavailable_reason()
-    if reason:
-        raise PluginUnavailableError(f"Export format {entry.name!r} cannot run here: {reason}.")
-    return entry.factory(model, filepath, **{**entry.defaults, **options})
-
-
 def __getattr__(name):
     """``kerasdist.<plugin name>(**options)`` builds that plugin's spec, e.g. ``kerasdist.mirrored()``."""
     if name.startswith("__"):
@@ -90,21 +83,37 @@ def __getattr__(name):
 
 
 def _setup():
+    """Patch Keras when it is imported, split the CPU when TensorFlow is, and join a cluster only when
+    a cluster variable is set: ``import kerasdist`` itself imports neither."""
     import os
+    import warnings
 
+    from ._keras_internals import CHECKED_KERAS_VERSIONS, keras_version_checked
+    from .import_hooks import when_imported
+
+    if not keras_version_checked():
+        import importlib.metadata
+
+        warnings.warn(f"kerasdist {__version__} was checked against Keras {', '.join(CHECKED_KERAS_VERSIONS)}.x, "
+                      f"but Keras {importlib.metadata.version('keras')} is installed: training under a strategy "
+                      "may break. Install a checked Keras (pip install 'keras>=3.15,<3.16').", stacklevel=3)
     count = _cpu_replicas_from_env()
     if count is not None:
-        split_cpu(count)
-    from .integration import install
-
-    install()
-    if any(var in os.environ for var in _CLUSTER_HINT_VARS) and _process_start_wanted():
+        when_imported("tensorflow", lambda tf: split_cpu(count))
+    when_imported("keras", _patch_keras)
+    if _process_start_wanted() and any(var in os.environ for var in cluster_hint_variables()):
         from .manager import get_system
 
         system = get_system()
         cluster = system.detect_cluster()
         if not cluster.is_local:
             system.hook.kerasdist_process_start(cluster=cluster, environ=system.environ)
+
+
+def _patch_keras(keras_module):
+    from .integration import install
+
+    install()
 
 
 def _process_start_wanted():
@@ -120,11 +129,6 @@ def _process_start_wanted():
     argv = list(getattr(sys, "orig_argv", []))
     return not ("-m" in argv and argv.index("-m") + 1 < len(argv)
                 and argv[argv.index("-m") + 1] in ("kerasdist", "kerasdist.cli"))
-
-
-#: Only these make ``import kerasdist`` load plugins early (to detect a cluster).
-_CLUSTER_HINT_VARS = ("TF_CONFIG", "SLURM_PROCID", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                      "KERASDIST_CLUSTER")
 
 
 _setup()

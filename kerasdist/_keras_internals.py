@@ -17,12 +17,17 @@ _MODEL_STRATEGY_ATTR = "_distribute_strategy"
 _OPTIMIZER_STRATEGY_ATTR = "_distribution_strategy"
 
 
-def keras_version_checked():
-    """True when the running Keras is one these internals were checked against."""
-    import keras
+def keras_version_checked(version=None):
+    """True when the installed Keras (read from its metadata, not imported) is one these internals
+    were checked against; True when Keras is not installed at all."""
+    if version is None:
+        import importlib.metadata
 
-    return any(keras.__version__.startswith(v + ".") or keras.__version__ == v
-               for v in CHECKED_KERAS_VERSIONS)
+        try:
+            version = importlib.metadata.version("keras")
+        except importlib.metadata.PackageNotFoundError:
+            return True
+    return any(version == v or version.startswith(v + ".") for v in CHECKED_KERAS_VERSIONS)
 
 
 def bound_strategy(model):

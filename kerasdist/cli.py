@@ -19,13 +19,26 @@ def _plugins(args):
         state = "available" if r["available"] else "unavailable"
         package = f"{r['package']} {r['version'] or ''}".strip() if r["package"] else "(in-process)"
         print(f"{r['name']:<{width}}  {str(r['kind'] or '?'):<12}  {state:<11}  {package}")
-        if r["description"] and args.verbose:
-            print(f"{'':<{width}}  {r['description']}")
+        if args.verbose:
+            _print_details(r, width)
         if not r["available"]:
             print(f"{'':<{width}}  reason: {r['reason']}")
             if r["install"]:
                 print(f"{'':<{width}}  install: {r['install']}")
     return 0
+
+
+def _print_details(row, width):
+    pad = " " * (width + 2)
+    if row["description"]:
+        print(f"{pad}{row['description']}")
+    if row["aliases"]:
+        print(f"{pad}aliases: {', '.join(row['aliases'])}")
+    if row["backends"]:
+        print(f"{pad}backends: {', '.join(row['backends'])}")
+    if row["options"] is not None:
+        options = ", ".join(f"{k}={v}" for k, v in row["options"].items()) or "(none)"
+        print(f"{pad}options: {options}")
 
 
 def _env(args):
@@ -75,12 +88,13 @@ def build_parser():
     p = sub.add_parser("plugins", help="list strategy, optimization and export plugins")
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.add_argument("--kind", choices=("strategy", "optimization", "export"))
-    p.add_argument("-v", "--verbose", action="store_true", help="show descriptions")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="show descriptions, aliases, backends and options with their defaults")
     p.set_defaults(func=_plugins)
     p = sub.add_parser("env", help="print the resolved cluster and what distribute='auto' picks")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_env)
-    p = sub.add_parser("launch", help="start N local workers with a loopback TF_CONFIG each (multiworker)",
+    p = sub.add_parser("launch", help="start N local worker processes that form one cluster (TF_CONFIG on 127.0.0.1)",
                        description="kerasdist launch -n N [--] script.py [args]")
     from .launch import add_arguments
 
@@ -90,6 +104,11 @@ def build_parser():
 
 
 def main(argv=None):
+    import os
+
+    # Quiet TensorFlow's start-up notices if it loads (`env`); "1" is oneDNN's default already.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,6 +1,20 @@
 """What a process knows about the cluster it belongs to."""
 
 import dataclasses
+import importlib.metadata
+
+#: Entry-point group in which plugins declare the environment variables that mean "this process is
+#: part of a cluster" (entry name = variable, value = the plugin reading it). Read from package
+#: metadata, so ``import kerasdist`` loads plugins early only when one of these is set.
+CLUSTER_HINT_GROUP = "kerasdist.cluster_hints"
+#: kerasdist's own hint, for clusters that a third-party plugin detects by other means.
+GENERIC_CLUSTER_HINT = "KERASDIST_CLUSTER"
+
+
+def cluster_hint_variables():
+    """The environment variable names that make ``import kerasdist`` detect a cluster."""
+    names = {ep.name for ep in importlib.metadata.entry_points(group=CLUSTER_HINT_GROUP)}
+    return sorted(names | {GENERIC_CLUSTER_HINT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,3 +52,17 @@ class ClusterInfo:
 
     def as_dict(self):
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchWorker:
+    """One worker of ``kerasdist launch``, as ``kerasdist_launch_environment`` sees it."""
+
+    index: int
+    count: int
+    host: str
+    addresses: tuple  # one "host:port" per worker, free when the launcher picked them
+
+    @property
+    def address(self):
+        return self.addresses[self.index]

@@ -3,15 +3,24 @@
 import difflib
 
 
+def did_you_mean(value, choices):
+    """`` Did you mean 'x'?`` for the closest of ``choices`` to ``value``, or ``""``."""
+    close = difflib.get_close_matches(str(value).lower(), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
 class KerasdistError(ValueError):
     """Base class of every error kerasdist raises for bad input or set-up."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin looks wrong but still loads (e.g. a ``kerasdist_*`` function without ``@hookimpl``)."""
 
 
 class UnknownPluginError(KerasdistError):
     def __init__(self, value, available, kind="plugin", where="distribute="):
         self.value, self.available = value, sorted(available)
-        close = difflib.get_close_matches(str(value).lower(), self.available, n=1, cutoff=0.6)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(value, self.available)
         names = ", ".join(self.available) or "(none)"
         super().__init__(
             f"Unknown {kind} {value!r} for {where}. Available: {names}.{hint} "

@@ -14,6 +14,7 @@ Lifecycle of ``model.compile(..., distribute=X)``::
     fit/evaluate/predict
                   kerasdist_prepare_dataset -> kerasdist_adjust_call -> kerasdist_run_call
     export        kerasdist.export(model, path, format) -> the registered exporter
+    launch        kerasdist_add_launch_arguments -> kerasdist_launch_environment (per worker)
 
 Hooks that take a ``spec`` are called once per spec in the plan (the strategy
 spec first, then each optimization spec, in the order given); an
@@ -159,4 +160,29 @@ def kerasdist_process_start(cluster, environ):
 
     Set up what must exist at program start, e.g. collective ops for
     multi-worker training. Keep it cheap: it runs in every worker process.
+    """
+
+
+# -- kerasdist launch ----------------------------------------------------------
+
+@hookspec
+def kerasdist_add_launch_arguments(parser):
+    """Add options to ``kerasdist launch`` (as pytest's ``pytest_addoption``).
+
+    :param parser: an ``argparse`` argument group; call ``parser.add_argument(...)``
+        with ``default=None`` so that an option left out sets nothing.
+    """
+
+
+@hookspec
+def kerasdist_launch_environment(args, worker, environ):
+    """Set what one worker started by ``kerasdist launch`` needs in its environment.
+
+    Called once per worker, after the launcher removed every cluster hint variable
+    (``kerasdist.cluster_hints`` entry points) from the caller's environment.
+
+    :param args: the parsed ``kerasdist launch`` arguments (yours included).
+    :param worker: a :class:`kerasdist.LaunchWorker`: ``index``, ``count``, ``host``
+        and ``addresses`` (one free ``host:port`` per worker, the same list for all).
+    :param environ: the worker's environment, a dict to change in place.
     """

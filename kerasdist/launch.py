@@ -8,7 +8,6 @@ period) and the launcher exits non-zero.
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ import tempfile
 import threading
 import time
 
+from .cluster import LaunchWorker, cluster_hint_variables
 from .errors import ClusterConfigError, KerasdistError
 
 DEFAULT_GRACE_S = 5.0
@@ -59,29 +59,23 @@ def check_ports_free(ports, host="127.0.0.1"):
                 "or leave it out to pick free ports.")
 
 
-def tf_configs(count, host="127.0.0.1", ports=None):
-    """The TF_CONFIG value of each of ``count`` workers on ``host``."""
-    ports = ports or pick_ports(count, host)
-    workers = [f"{host}:{port}" for port in ports]
-    return [json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}})
-            for i in range(count)]
+def worker_environments(args, environ=None, system=None):
+    """One environment per worker: the caller's minus its cluster variables, plus what plugins add."""
+    from .manager import get_system
 
-
-def worker_environments(args, environ=None):
-    """One environment per worker: the caller's plus TF_CONFIG and the collective settings."""
+    system = system or get_system()
     environ = dict(os.environ if environ is None else environ)
     ports = list(range(args.port_base, args.port_base + args.nproc)) if args.port_base else None
     if ports:
         check_ports_free(ports, args.host)
-    settings = {"KERASDIST_JOIN_TIMEOUT": args.join_timeout, "KERASDIST_COMMUNICATION": args.communication,
-                "KERASDIST_BYTES_PER_PACK": args.bytes_per_pack,
-                "KERASDIST_COLLECTIVE_TIMEOUT": args.collective_timeout, "KERASDIST_BACKUP_DIR": args.backup_dir}
-    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
-        environ.pop(name, None)  # the launcher's TF_CONFIG describes the cluster, nothing else
+    addresses = tuple(f"{args.host}:{port}" for port in (ports or pick_ports(args.nproc, args.host)))
+    for name in cluster_hint_variables():
+        environ.pop(name, None)  # the workers form their own cluster, whatever launched the launcher
     environs = []
-    for config in tf_configs(args.nproc, args.host, ports):
-        env = dict(environ, TF_CONFIG=config, PYTHONUNBUFFERED="1")
-        env.update({k: str(v) for k, v in settings.items() if v is not None})
+    for index in range(args.nproc):
+        env = dict(environ, PYTHONUNBUFFERED="1")
+        worker = LaunchWorker(index, args.nproc, args.host, addresses)
+        system.hook.kerasdist_launch_environment(args=args, worker=worker, environ=env)
         environs.append(env)
     return environs
 
@@ -214,20 +208,16 @@ def add_arguments(parser):
     parser.add_argument("--host", default="127.0.0.1", help="address the workers use (default 127.0.0.1)")
     parser.add_argument("--port-base", type=int, default=0,
                         help="use ports PORT_BASE..PORT_BASE+N-1 (default: pick free ports)")
-    parser.add_argument("--join-timeout", type=float, default=None,
-                        help="seconds to wait for all workers to join (KERASDIST_JOIN_TIMEOUT, default 300)")
-    parser.add_argument("--communication", choices=("auto", "tcp", "ring", "nccl"), default=None,
-                        help="collective implementation (KERASDIST_COMMUNICATION)")
-    parser.add_argument("--bytes-per-pack", type=int, default=None,
-                        help="gradient pack size in bytes for all-reduce (KERASDIST_BYTES_PER_PACK)")
-    parser.add_argument("--collective-timeout", type=float, default=None,
-                        help="abort a collective that takes longer (KERASDIST_COLLECTIVE_TIMEOUT)")
-    parser.add_argument("--backup-dir", default=None,
-                        help="where BackupAndRestore keeps its backup (KERASDIST_BACKUP_DIR)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
     parser.add_argument("-m", dest="module", action="store_true", help="run the script argument as a module")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (after an optional --)")
+    from .manager import get_system
+
+    implementations = get_system().hook.kerasdist_add_launch_arguments.get_hookimpls()
+    for impl in sorted(implementations, key=lambda impl: impl.plugin_name):
+        group = parser.add_argument_group(f"options of the {impl.plugin_name} plugin")
+        impl.function(**{arg: group for arg in impl.argnames})
 
 
 def launch(args):

@@ -20,7 +20,7 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, bind_model, bound_strateg
                                move_to_strategy, parameter_server_strategy, route_gradient_all_reduce,
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy)
 from .devices import check_devices_exist, local_replica_devices
-from .errors import ClusterConfigError, KerasdistError
+from .errors import ClusterConfigError, KerasdistError, did_you_mean
 
 __all__ = [
     # values and the environment
@@ -71,10 +71,7 @@ def check_choice(value, name, where, choices, *, allow_none=False, error=Kerasdi
         return None
     if isinstance(value, str) and value.strip().lower() in choices:
         return value.strip().lower()
-    import difflib
-
-    close = difflib.get_close_matches(str(value).lower(), choices, n=1) if isinstance(value, str) else []
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(value, choices) if isinstance(value, str) else ""
     raise error(f"{where}: {name}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}.{hint}")
 
 

@@ -2,8 +2,10 @@
 
 import dataclasses
 import importlib.util
+import inspect
 
-from .errors import DuplicatePluginError, PluginValidationError, UnknownPluginError
+from .backend import keras_backend
+from .errors import DuplicatePluginError, KerasdistError, PluginValidationError, UnknownPluginError, did_you_mean
 from .specs import OptimizationSpec, StrategySpec
 
 KINDS = ("strategy", "optimization", "export")
@@ -33,6 +35,7 @@ class PluginEntry:
     package: str = None
     version: str = None
     disabled: bool = False
+    shadows: list = dataclasses.field(default_factory=list, repr=False)  # entries replaced by override
 
     def install_hint(self):
         if self.install:
@@ -65,25 +68,86 @@ class PluginEntry:
         """Why the running Keras backend cannot run this plugin, or None."""
         if not self.backends:
             return None
-        import keras
-
-        backend = keras.backend.backend()
+        backend = keras_backend()
         if backend in self.backends:
-            return None
+            return _backend_missing(backend)
         return (f"needs the Keras backend {' or '.join(self.backends)}, but the backend is "
                 f"{backend!r}: set KERAS_BACKEND={self.backends[0]} before importing keras")
 
     def create(self, **options):
+        self.check_options(options)
         spec = self.factory(**{**self.defaults, **options})
         object.__setattr__(spec, "_kerasdist_name", self.name)
         return spec
 
+    def options(self):
+        """``{option: default}`` this plugin accepts (``inspect.Parameter.empty`` when required), or
+        None when its factory takes ``**kwargs`` (anything goes)."""
+        if dataclasses.is_dataclass(self.factory):
+            found = {f.name: _field_default(f) for f in dataclasses.fields(self.factory) if f.init}
+        else:
+            parameters = list(inspect.signature(self.factory).parameters.values())
+            if self.kind == "export":
+                parameters = parameters[2:]  # export_function(model, filepath, **options)
+            if any(p.kind is p.VAR_KEYWORD for p in parameters):
+                return None
+            found = {p.name: p.default for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        found.update({k: v for k, v in self.defaults.items() if k in found})
+        return found
+
+    def check_options(self, options):
+        """Raise a KerasdistError naming each option the plugin does not have, with the valid ones."""
+        valid = self.options()
+        if valid is None:
+            return
+        unknown = [name for name in options if name not in valid]
+        if unknown:
+            what = "export format" if self.kind == "export" else self.kind
+            listing = ", ".join(_describe_option(k, v) for k, v in valid.items()) or "(none)"
+            raise KerasdistError(
+                f"The {what} {self.name!r} has no option {unknown[0]!r}.{did_you_mean(unknown[0], valid)} "
+                f"Its options: {listing}. (`kerasdist plugins -v` lists every plugin's options.)")
+
     def as_row(self):
         reason = self.unavailable_reason()
+        options = self.options()
         return {"name": self.name, "kind": self.kind, "available": reason is None, "reason": reason,
                 "package": self.package, "version": self.version, "plugin": self.plugin,
                 "description": self.description, "aliases": list(self.aliases),
+                "backends": list(self.backends),
+                "options": None if options is None else {k: _describe_default(v) for k, v in options.items()},
                 "install": self.install_hint() if reason else None}
+
+
+#: How to install each Keras backend's framework (TensorFlow is an extra, never a hard dependency).
+BACKEND_INSTALL = {
+    "tensorflow": "pip install 'kerasdist[cpu]' (CPU), 'kerasdist[cuda]' (NVIDIA GPUs), or your own tensorflow",
+    "jax": "pip install 'kerasdist[jax]'",
+    "torch": "pip install torch",
+}
+
+
+def _backend_missing(backend):
+    """Why the framework of ``backend`` is missing, or None (found without importing it)."""
+    if backend not in BACKEND_INSTALL or _module_exists(backend):
+        return None
+    return f"the Keras backend {backend!r} is not installed: {BACKEND_INSTALL[backend]}"
+
+
+def _field_default(field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return inspect.Parameter.empty
+
+
+def _describe_default(value):
+    return "(required)" if value is inspect.Parameter.empty else repr(value)
+
+
+def _describe_option(name, default):
+    return f"{name} (required)" if default is inspect.Parameter.empty else f"{name}={default!r}"
 
 
 def _module_exists(name):
@@ -125,7 +189,13 @@ class PluginFailure:
     def as_row(self):
         return {"name": self.name, "kind": None, "available": False, "reason": self.reason,
                 "package": self.package, "version": self.version, "plugin": self.name,
-                "description": "", "aliases": [], "install": self.hint}
+                "description": "", "aliases": [], "backends": [], "options": None, "install": self.hint}
+
+
+def _package(entry):
+    if not entry.package:
+        return " (in-process)"
+    return f" (package {entry.package}{' ' + entry.version if entry.version else ''})"
 
 
 class Registry:
@@ -160,22 +230,35 @@ class Registry:
             existing = self._lookup(key)
             if existing is not None and not override:
                 raise DuplicatePluginError(
-                    f"{entry.kind.capitalize()} name {key!r} is registered twice: by plugin "
-                    f"{existing.plugin!r} (package {existing.package}) and by plugin {entry.plugin!r} "
-                    f"(package {entry.package}). Pass override=True to register() to replace it, or "
-                    f"disable one with KERASDIST_DISABLE_PLUGINS={entry.plugin}.")
+                    f"Plugin {entry.plugin!r}{_package(entry)} registers the {entry.kind} name {key!r}, which "
+                    f"plugin {existing.plugin!r}{_package(existing)} already has; {existing.plugin!r} keeps it. "
+                    "Give the new one another name, or pass override=True to register() to replace it on purpose.")
             if existing is not None:
-                self._remove(existing)
+                self._detach(existing)
+                entry.shadows.append(existing)
         if base is not None and "registered_name" not in entry.factory.__dict__:  # not a parent's name
             entry.factory.registered_name = entry.name
+        self._attach(entry)
+
+    def _attach(self, entry):
         self.entries[entry.name] = entry
         for alias in entry.aliases:
             self._aliases[alias] = entry.name
 
-    def _remove(self, entry):
+    def _detach(self, entry):
         self.entries.pop(entry.name, None)
         for alias in entry.aliases:
             self._aliases.pop(alias, None)
+
+    def remove_plugin(self, plugin):
+        """Drop every name ``plugin`` registered; names it replaced come back to their owners."""
+        for entry in self.entries.values():
+            entry.shadows = [old for old in entry.shadows if old.plugin != plugin]
+        for entry in reversed([e for e in self.entries.values() if e.plugin == plugin]):
+            self._detach(entry)
+            for shadowed in entry.shadows:
+                if all(self._lookup(key) is None for key in (shadowed.name,) + shadowed.aliases):
+                    self._attach(shadowed)
 
     def find(self, key):
         """The entry registered under ``key`` (a name or alias, any case), or None."""

@@ -173,3 +173,12 @@ def _environment(environ, names):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+# -- kerasdist launch ------------------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_launch_environment(worker, environ):
+    """Each worker of ``kerasdist launch`` gets a TF_CONFIG naming every worker's address."""
+    environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(worker.addresses)},
+                                       "task": {"type": "worker", "index": worker.index}})

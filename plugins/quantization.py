@@ -21,12 +21,10 @@ there is no ``distribute=`` spec for it. Train (and prune) the float model, then
 """
 
 import contextlib
-import dataclasses
 import functools
 import importlib
 import io
 import os
-from typing import Optional
 
 import kerasdist
 
@@ -38,19 +36,7 @@ LITERT_FORMATS = {
 }
 
 
-@dataclasses.dataclass
-class ExportResult:
-    """What an exporter wrote; ``os.fspath(result)`` is the file's path."""
-
-    path: str
-    format: str
-    size_bytes: int
-    max_abs_diff: Optional[float] = None
-    argmax_agreement: Optional[float] = None
-    samples_checked: int = 0
-
-    def __fspath__(self):
-        return self.path
+ExportResult = kerasdist.ExportResult  # the public result type, for callers that import it from here
 
 
 def require(module, extra, purpose):

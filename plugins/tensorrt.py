@@ -21,7 +21,8 @@ import os
 import tempfile
 
 import kerasdist
-from kerasdist_plugins.quantization import (ExportResult, calibration_batches, check_exportable,
+from kerasdist import ExportResult
+from kerasdist_plugins.quantization import (calibration_batches, check_exportable,
                                             compare_outputs, require)
 
 PRECISIONS = ("fp32", "fp16", "int8")

@@ -251,3 +251,37 @@ def test_kerasdist_command_never_runs_process_start(tmp_path):
     assert "PROCESS_START" not in run(python("-m", "kerasdist.cli", "env"), timeout=120, env=env).stdout
     env["KERASDIST_PROCESS_START"] = "0"
     assert "PROCESS_START" not in run(python("-c", "import kerasdist"), timeout=120, env=env).stdout
+
+
+class LaunchPlugin:
+    """Adds a launch option and an environment variable per worker."""
+
+    @kerasdist.hookimpl
+    def kerasdist_add_launch_arguments(self, parser):
+        parser.add_argument("--color", default=None, help="a colour for every worker")
+
+    @kerasdist.hookimpl
+    def kerasdist_launch_environment(self, args, worker, environ):
+        environ["COLOR"] = f"{args.color}-{worker.index}-of-{worker.count}@{worker.address}"
+
+
+def test_hook_kerasdist_add_launch_arguments(fresh_system, capsys):
+    from kerasdist import cli
+
+    fresh_system.add_plugin(LaunchPlugin(), name="launch-plugin")
+    assert cli.build_parser().parse_args(["launch", "-n", "2", "--color", "red", "x.py"]).color == "red"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["launch", "--help"])
+    help_text = capsys.readouterr().out
+    assert "options of the launch-plugin plugin" in help_text and "--color" in help_text
+
+
+def test_hook_kerasdist_launch_environment(fresh_system):
+    from kerasdist import cli, launch
+
+    fresh_system.add_plugin(LaunchPlugin(), name="launch-plugin")
+    args = cli.build_parser().parse_args(["launch", "-n", "2", "--color", "red", "x.py"])
+    environs = launch.worker_environments(args, environ={"KERASDIST_CLUSTER": "x", "PATH": "/bin"})
+    colors = [env["COLOR"] for env in environs]
+    assert colors[0].startswith("red-0-of-2@127.0.0.1:") and colors[1].startswith("red-1-of-2@127.0.0.1:")
+    assert all("KERASDIST_CLUSTER" not in env and env["PATH"] == "/bin" for env in environs)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -21,9 +22,10 @@ print("RESULT", json.dumps({"strategy": type(model.distribute_strategy).__name__
 
 
 @pytest.fixture
-def installed_plugin():
+def installed_plugin(tmp_path):
     pip = python("-m", "pip", "--disable-pip-version-check", "-q")
-    run(pip + ["install", "--no-deps", "--no-build-isolation", PACKAGE], timeout=300)
+    source = shutil.copytree(PACKAGE, tmp_path / "package")  # building in place leaves build/ behind
+    run(pip + ["install", "--no-deps", "--no-build-isolation", str(source)], timeout=300)
     try:
         yield
     finally:

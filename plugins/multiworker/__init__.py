@@ -60,6 +60,38 @@ def kerasdist_process_start(cluster, environ):
         state.error = exc
 
 
+# -- kerasdist launch ---------------------------------------------------------------
+
+_LAUNCH_OPTIONS = (  # (option, environment variable it sets in each worker)
+    ("join_timeout", JOIN_TIMEOUT_VAR), ("communication", COMMUNICATION_VAR),
+    ("bytes_per_pack", BYTES_PER_PACK_VAR), ("collective_timeout", COLLECTIVE_TIMEOUT_VAR),
+    ("backup_dir", BACKUP_DIR_VAR),
+)
+
+
+@kerasdist.hookimpl
+def kerasdist_add_launch_arguments(parser):
+    parser.add_argument("--join-timeout", type=float, default=None,
+                        help=f"seconds to wait for all workers to join ({JOIN_TIMEOUT_VAR}, "
+                             f"default {DEFAULT_JOIN_TIMEOUT:g})")
+    parser.add_argument("--communication", choices=("auto", "tcp", "ring", "nccl"), default=None,
+                        help=f"collective implementation ({COMMUNICATION_VAR})")
+    parser.add_argument("--bytes-per-pack", type=int, default=None,
+                        help=f"gradient pack size in bytes for all-reduce ({BYTES_PER_PACK_VAR})")
+    parser.add_argument("--collective-timeout", type=float, default=None,
+                        help=f"abort a collective that takes longer ({COLLECTIVE_TIMEOUT_VAR})")
+    parser.add_argument("--backup-dir", default=None,
+                        help=f"where BackupAndRestore keeps its backup ({BACKUP_DIR_VAR})")
+
+
+@kerasdist.hookimpl
+def kerasdist_launch_environment(args, environ):
+    for option, variable in _LAUNCH_OPTIONS:
+        value = getattr(args, option, None)
+        if value is not None:
+            environ[variable] = str(value)
+
+
 # -- compile -----------------------------------------------------------------------
 
 @kerasdist.hookimpl

@@ -1,0 +1,55 @@
+"""Run a function when a module finishes importing, so ``import kerasdist`` imports neither Keras nor
+TensorFlow: kerasdist patches Keras when the user imports it, and splits the CPU when TensorFlow loads."""
+
+import importlib.abc
+import sys
+
+_waiting = {}
+
+
+def when_imported(name, callback):
+    """Call ``callback(module)`` once top-level module ``name`` is imported (now, if it already is)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    _waiting.setdefault(name, []).append(callback)
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader the other finders return for a watched name."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _waiting:
+            return None
+        spec = _find_with_others(self, name, path, target)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        callbacks = _waiting.pop(name)
+        if not _waiting and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_call(module):
+            exec_module(module)
+            for callback in callbacks:
+                callback(module)
+
+        spec.loader.exec_module = exec_then_call
+        return spec
+
+
+def _find_with_others(skip, name, path, target):
+    for finder in list(sys.meta_path):
+        find_spec = getattr(finder, "find_spec", None)
+        if finder is skip or find_spec is None:
+            continue
+        spec = find_spec(name, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
+_finder = _PostImportFinder()
