@@ -1,7 +1,9 @@
 """The ``kerasdist`` command: ``plugins``, ``env`` (and ``launch``)."""
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 
 
@@ -60,15 +62,29 @@ def _env(args):
 
 
 def _backend():
-    import keras
+    from .backend import keras_backend
 
-    return keras.backend.backend()
+    return keras_backend()
 
 
 def _devices():
-    import tensorflow as tf
+    with _native_stderr_silenced():  # TensorFlow's C++ start-up notices ignore TF_CPP_MIN_LOG_LEVEL
+        import tensorflow as tf
 
-    return [d.name for d in tf.config.list_logical_devices()]
+        return [d.name for d in tf.config.list_logical_devices()]
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _launch(args):
@@ -104,11 +120,7 @@ def build_parser():
 
 
 def main(argv=None):
-    import os
-
-    # Quiet TensorFlow's start-up notices if it loads (`env`); "1" is oneDNN's default already.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's Python-side warnings, if it loads
     args = build_parser().parse_args(argv)
     return args.func(args)
 

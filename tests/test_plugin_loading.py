@@ -256,3 +256,23 @@ def test_keras_is_patched_and_the_cpu_split_whichever_is_imported_first():
     for order in ("import kerasdist, keras", "import keras, kerasdist"):
         out = run(python("-c", f"{order}\n{check}"), timeout=120, env=child_env(KERASDIST_CPU_REPLICAS=2)).stdout
         assert "RESULT True 2" in out, (order, out[-2000:])
+
+
+def test_an_unchecked_keras_is_named_at_import(tmp_path):
+    from kerasdist._keras_internals import keras_version_checked
+
+    assert keras_version_checked("3.15.1") and keras_version_checked("3.15")
+    assert not keras_version_checked("3.16.0") and not keras_version_checked("3.1.5")
+    # a stand-in keras 3.16 distribution first on the path: the warning names it and the checked range
+    info = tmp_path / "keras-3.16.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: keras\nVersion: 3.16.0\n")
+    out = run(python("-c", "import kerasdist"), timeout=60, env=child_env(PYTHONPATH=str(tmp_path))).stdout
+    assert "Keras 3.16.0 is installed" in out and "keras>=3.15,<3.16" in out
+
+
+def test_the_command_line_is_quiet():
+    env = {k: v for k, v in child_env().items() if k not in ("TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")}
+    out = run(python("-m", "kerasdist.cli", "env"), timeout=120, env=env).stdout
+    assert "keras_backend: tensorflow" in out
+    assert "oneDNN" not in out and "absl::InitializeLog" not in out and "cpu_feature_guard" not in out
