@@ -27,15 +27,16 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
         spec = _find_with_others(self, name, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        callbacks = _waiting.pop(name)
-        if not _waiting and self in sys.meta_path:
-            sys.meta_path.remove(self)
         exec_module = spec.loader.exec_module
 
         def exec_then_call(module):
             exec_module(module)
-            for callback in callbacks:
+            # popped only now: importlib.util.find_spec() probes (TensorFlow, Horovod do) find specs
+            # that are never executed
+            for callback in _waiting.pop(name, ()):
                 callback(module)
+            if not _waiting and self in sys.meta_path:
+                sys.meta_path.remove(self)
 
         spec.loader.exec_module = exec_then_call
         return spec

@@ -253,7 +253,8 @@ def test_import_and_listing_import_neither_keras_nor_tensorflow():
 def test_keras_is_patched_and_the_cpu_split_whichever_is_imported_first():
     check = ("import tensorflow as tf\nprint('RESULT', 'distribute' in str(__import__('inspect').signature("
              "keras.Model.compile)), len(tf.config.list_logical_devices('CPU')))")
-    for order in ("import kerasdist, keras", "import keras, kerasdist"):
+    probe_first = "import kerasdist, importlib.util\nimportlib.util.find_spec('keras')\nimport keras"
+    for order in ("import kerasdist, keras", "import keras, kerasdist", probe_first):
         out = run(python("-c", f"{order}\n{check}"), timeout=120, env=child_env(KERASDIST_CPU_REPLICAS=2)).stdout
         assert "RESULT True 2" in out, (order, out[-2000:])
 
