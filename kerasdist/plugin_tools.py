@@ -137,7 +137,7 @@ def is_dataset(value):
     return data is not None and isinstance(value, data.Dataset)
 
 
-def arrays_as_dataset(call_kwargs, seed=None):
+def arrays_as_dataset(call_kwargs, seed=None, method="fit"):
     """Feed a ``fit``/``evaluate`` call's in-memory arrays as one batched ``tf.data.Dataset``.
 
     ``call_kwargs`` (the call's keyword arguments) is changed in place when ``x``, ``y`` and
@@ -145,7 +145,7 @@ def arrays_as_dataset(call_kwargs, seed=None):
     cut off first as Keras does (the last samples, before shuffling), the rest is shuffled with
     ``seed`` every epoch (None: kept in order) and batched by ``batch_size`` (default 32). The same
     seed gives every worker the same order, where Keras's own shuffle is unseeded. Returns whether
-    it replaced the arrays.
+    it replaced the arrays. ``method`` is the Keras method called ("fit" or "evaluate").
     """
     import numpy as np
 
@@ -168,7 +168,8 @@ def arrays_as_dataset(call_kwargs, seed=None):
         dataset = dataset.shuffle(len(_first_array(parts[0])), seed=seed, reshuffle_each_iteration=True)
     call_kwargs.update(x=dataset.batch(call_kwargs.get("batch_size") or 32), y=None, sample_weight=None,
                        batch_size=None)
-    call_kwargs.update({k: v for k, v in (("shuffle", False), ("validation_split", 0.0)) if k in call_kwargs})
+    if method == "fit":
+        call_kwargs.update(shuffle=False, validation_split=0.0)
     return True
 
 

@@ -181,6 +181,10 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
     from .data import per_worker_notice, shard_call_data, split_call_data
 
     rank, size = hvd.rank(), hvd.size()
+    if method == "fit":
+        from .gradients import reduce_before_loss_scaling
+
+        reduce_before_loss_scaling(model.optimizer)
     callbacks = call_kwargs["callbacks"]
     if rank != 0:
         call_kwargs["verbose"] = 0

@@ -78,7 +78,7 @@ def split_call_data(call_kwargs, rank, size, method, seed):
     a dataset shuffled alike on every rank with ``seed``); validation arrays likewise."""
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
     x = call_kwargs.get("x")
-    if is_dataset(x) or arrays_as_dataset(call_kwargs, shuffle):
+    if is_dataset(x) or arrays_as_dataset(call_kwargs, shuffle, method):
         call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
     elif x is not None:
         _not_split_warning(method, x)
@@ -86,7 +86,7 @@ def split_call_data(call_kwargs, rank, size, method, seed):
     if validation is not None and not is_dataset(validation):  # datasets: kerasdist_prepare_dataset
         parts = dict(zip(("x", "y", "sample_weight"), validation))
         parts["batch_size"] = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size")
-        if arrays_as_dataset(parts):
+        if arrays_as_dataset(parts, method="evaluate"):
             call_kwargs["validation_data"] = split_batches(parts["x"], rank, size)
 
 

@@ -40,6 +40,7 @@ def parse(argv=None):
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--job-tag", default="", help="ignored: lets a test find this job's processes")
     return parser.parse_args(argv)
 
 
