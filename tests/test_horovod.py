@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from helpers import PYTHON, ROOT, child_env, run
+from helpers import PYTHON, ROOT, child_env, processes_with, run
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
 import hvd_common as common  # noqa: E402
@@ -39,18 +39,6 @@ def horovodrun(mode, outdir, timeout, check=True):
             os.kill(pid, 9)
     assert not left, f"processes left behind by {mode}: {left}"
     return result, time.monotonic() - start
-
-
-def processes_with(token):
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if token.encode() in f.read():
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
 
 
 @pytest.fixture(scope="module")

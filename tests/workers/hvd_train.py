@@ -18,6 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvd_common as common  # noqa: E402
+from equivalence_script import CountSteps  # noqa: E402
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -50,18 +51,6 @@ class Record(keras.callbacks.Callback):
         self.lrs.append(float(self.model.optimizer.learning_rate.numpy()))
         self.weights.append([w.numpy() for w in self.model.weights])
         self.optimizer_state.append([v.numpy() for v in self.model.optimizer.variables])
-
-
-class Steps(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.steps = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.steps.append(0)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.steps[-1] += 1
 
 
 def suite(outdir):
@@ -130,7 +119,7 @@ def suite(outdir):
 
     # 8. batch_size_per_worker=True: Horovod's semantics, batch_size per rank (global = BATCH x 2).
     model = compiled(common.initial_weights(0), keras.optimizers.SGD(0.1), batch_size_per_worker=True)
-    steps = Steps()
+    steps = CountSteps()
     model.fit(x, y, batch_size=common.BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[steps])
     out["per_worker_weights"] = model.get_weights()
     out["per_worker_steps"] = np.array(steps.steps)
