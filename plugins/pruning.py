@@ -11,8 +11,9 @@ process to Keras 2 on import):
   sparsity is exact). It runs in cross-replica context: each mask is computed once and written to
   every replica, which therefore stay identical.
 - The schedule math is TFMOT's ``PolynomialDecay`` / ``ConstantSparsity``, re-implemented here.
-- ``logs["sparsity"]`` (History, TensorBoard, progress bar) reports the pruned fraction per epoch;
-  :func:`sparsity` reports it per layer from the weights themselves.
+- ``logs["sparsity"]`` (History, TensorBoard, progress bar) reports the pruned fraction at the end
+  of each epoch, after any pruning step due then (``end_step`` included), so the last epoch's value
+  is the weights' own; :func:`sparsity` reports it per layer from the weights themselves.
 - :func:`strip` ends pruning for a model: the masks are applied a last time and the constraints
   removed, leaving a plain Keras model whose pruned weights are exactly zero.
 """
@@ -20,6 +21,7 @@ process to Keras 2 on import):
 import dataclasses
 import logging
 import math
+import warnings
 import weakref
 from typing import Callable, Optional, Sequence, Union
 
@@ -248,6 +250,11 @@ class PruningState:
                 "prune: end_step=None means 'the end of this fit', but the input's size is unknown; "
                 "give prune(end_step=...) or fit(steps_per_epoch=...).")
         self.end_step = max(start_step + epochs * steps_per_epoch, self.spec.begin_step + 1)
+        if self.spec.schedule == "polynomial" and self.end_step - self.spec.begin_step <= self.spec.frequency:
+            warnings.warn(f"prune: frequency={self.spec.frequency} steps is not shorter than the pruning period "
+                          f"(steps {self.spec.begin_step}..{self.end_step}), so the masks change only at its start "
+                          "and end: the sparsity jumps to the target at the last step. Give a smaller frequency "
+                          "for gradual pruning.", stacklevel=2)
 
     def step_to(self, step):
         """Prune if the schedule has a pruning step in (last pruned step, ``step``]."""
@@ -288,6 +295,7 @@ def _make_callback(state, initial_epoch):
             state.step_to(self._step())
 
         def on_epoch_end(self, epoch, logs=None):
+            state.step_to(self._step())  # a pruning step due at the epoch's last step, end_step included
             if logs is not None:
                 logs["sparsity"] = state.mask_sparsity()
 
