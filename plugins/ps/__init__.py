@@ -19,7 +19,7 @@ import kerasdist
 from kerasdist import ClusterConfigError, PluginUnavailableError
 from kerasdist.plugin_tools import check_number
 
-from .cluster import DEFAULT_CONNECT_TIMEOUT, SERVING_JOBS, Connection, cluster_of, wait_reachable
+from .cluster import DEFAULT_CONNECT_TIMEOUT, SERVING_JOBS, Connection, Presence, cluster_of, wait_reachable
 
 __all__ = ["PS", "SERVING_JOBS", "cluster_of", "wait_reachable", "fit", "training_input", "serve", "main"]
 
@@ -84,6 +84,7 @@ def kerasdist_create_strategy(spec, cluster):
                 f"{str(exc).splitlines()[0] if str(exc) else ''}. Check that every address runs a TensorFlow "
                 "server (python -m kerasdist_plugins.ps or tf.distribute.Server).") from exc
         Connection.jobs, Connection.strategy = jobs, strategy
+        Presence.announce(cluster)
         return strategy
 
 
