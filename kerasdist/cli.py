@@ -88,14 +88,9 @@ def _native_stderr_silenced():
 
 
 def _launch(args):
-    from .errors import KerasdistError
     from .launch import launch
 
-    try:
-        return launch(args)
-    except KerasdistError as exc:
-        print(f"kerasdist launch: error: {exc}", file=sys.stderr)
-        return 2
+    return launch(args)
 
 
 def build_parser():
@@ -121,8 +116,17 @@ def build_parser():
 
 def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's Python-side warnings, if it loads
+    from .errors import KerasdistError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KerasdistError as exc:  # bad input: the message, not a traceback
+        message = str(exc)
+        prefix = f"kerasdist {args.command}: "
+        print(f"{prefix}error: {message[len(prefix):] if message.startswith(prefix) else message}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

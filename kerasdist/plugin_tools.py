@@ -19,13 +19,13 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, bind_model, bound_strateg
                                is_multiworker_strategy, make_chief_aware_backup,
                                move_to_strategy, parameter_server_strategy, route_gradient_all_reduce,
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy)
-from .devices import check_devices_exist, local_replica_devices
+from .devices import canonical_devices, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
 
 __all__ = [
     # values and the environment
     "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
-    "is_dataset", "unique_variables", "local_replica_devices", "check_devices_exist",
+    "is_dataset", "unique_variables", "local_replica_devices", "check_devices_exist", "canonical_devices",
     # Keras / TensorFlow adapters
     "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
     "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",

@@ -21,6 +21,7 @@ def strategy_for(spec, cluster, system):
 
         return tf.distribute.get_strategy()
     if isinstance(spec, StrategyInstance):
+        check_local_devices(spec.strategy)
         return spec.strategy
     key = spec_key(spec)
     with _strategies_lock:
@@ -32,6 +33,19 @@ def strategy_for(spec, cluster, system):
                     f"returned a strategy for {spec!r}.")
             _strategies[key] = strategy
         return _strategies[key]
+
+
+def check_local_devices(strategy):
+    """A user's own single-machine Strategy over devices this machine lacks hangs in ``fit``
+    (``MirroredStrategy(["/gpu:0", "/gpu:1"])`` without GPUs): refuse it at compile."""
+    import tensorflow as tf
+
+    local_kinds = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy,
+                   tf.distribute.experimental.CentralStorageStrategy)
+    if isinstance(strategy, local_kinds):
+        from .devices import check_devices_exist
+
+        check_devices_exist(list(strategy.extended.worker_devices), plugin=f"distribute={type(strategy).__name__}")
 
 
 class Session:

@@ -17,6 +17,12 @@ class CentralStorage(kerasdist.StrategySpec):
     compute_devices: Optional[Sequence[str]] = None
     parameter_device: Optional[str] = None
 
+    def identity(self):
+        """Equal when the devices are (the default devices resolved)."""
+        from kerasdist.plugin_tools import canonical_devices, local_replica_devices
+
+        return (canonical_devices(self.compute_devices or local_replica_devices()), self.parameter_device)
+
 
 @kerasdist.hookimpl
 def kerasdist_register_strategies(register):

@@ -17,6 +17,13 @@ class Mirrored(kerasdist.StrategySpec):
     devices: Optional[Sequence[str]] = None
     cross_device_ops: str = "auto"
 
+    def identity(self):
+        """Equal when the devices are: ``"mirrored"`` and ``mirrored(devices=[every local device])``
+        share one strategy."""
+        from kerasdist.plugin_tools import canonical_devices, local_replica_devices
+
+        return (canonical_devices(self.devices or local_replica_devices()), self.cross_device_ops)
+
 
 _CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 

@@ -60,7 +60,8 @@ def test_each_worker_gets_a_loopback_tf_config_that_resolves():
 
 def test_grace_above_the_limit_is_refused():
     with pytest.raises(KerasdistError, match="--grace 60"):
-        launch.check_arguments(argparse.Namespace(nproc=2, script=[CHILD], module=False, grace=60))
+        launch.check_arguments(argparse.Namespace(nproc=2, script=[CHILD], module=False, grace=60, port_base=0,
+                                                  host="127.0.0.1"))
 
 
 @pytest.mark.slow
