@@ -139,7 +139,7 @@ def kerasdist_prepare_dataset(dataset, spec):
 def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if not isinstance(spec, MultiWorker):
         return
-    from . import workers
+    from . import backup, workers
 
     if method in ("fit", "evaluate"):
         use_ring(model, strategy, method)
@@ -148,7 +148,7 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         index = workers.count_fit()
         workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
         if spec.backup:
-            workers.add_backup(call_kwargs, workers.backup_dir(spec, strategy, index), chief)
+            backup.add_backup(call_kwargs, spec, model, strategy, index, chief, workers.scratch_dir())
     if not chief:
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0
