@@ -352,3 +352,28 @@ def symbolic_build(model, data_batch):
     parameter servers; built lazily inside a step running on a worker, optimizer slots would land on the
     coordinator instead."""
     model._symbolic_build(data_batch=data_batch)
+
+
+# -- keras.distribution on JAX (kerasdist_plugins.keras_distribution) --------------------------------
+
+def lay_out_variables(variables, layout_of):
+    """Give each Keras variable (JAX backend) ``layout_of(variable)``, a ``keras.distribution.TensorLayout``,
+    and move its value there, as creating it under a distribution would have done. Variables that already
+    have a layout (built under the user's own distribution) keep it. Returns the variables moved.
+
+    Private: ``Variable._layout`` (read by ``Distribution.get_variable_layout`` and by optimizers for their
+    slots) and ``JaxVariable._direct_assign`` (which distributes the value by the layout); Keras 3.15.
+    """
+    moved = []
+    for variable in variables:
+        if getattr(variable, "_layout", None) is not None:
+            continue
+        variable._layout = layout_of(variable)
+        variable._direct_assign(variable.value)
+        moved.append(variable)
+    return moved
+
+
+def variable_layout(variable):
+    """The ``keras.distribution.TensorLayout`` a variable was given, or None."""
+    return getattr(variable, "_layout", None)

@@ -1,6 +1,8 @@
 """What ``compile(distribute=...)`` does, and how fit/evaluate/predict then run."""
 
+import contextlib
 import inspect
+import sys
 import threading
 
 from . import _keras_internals as internals
@@ -17,9 +19,7 @@ _strategies_lock = threading.Lock()
 def strategy_for(spec, cluster, system):
     """The strategy for ``spec``, created once per process (collective ops allow no second set-up)."""
     if spec is None:
-        import tensorflow as tf
-
-        return tf.distribute.get_strategy()
+        return current_strategy()
     if isinstance(spec, StrategyInstance):
         check_local_devices(spec.strategy)
         return spec.strategy
@@ -35,9 +35,40 @@ def strategy_for(spec, cluster, system):
         return _strategies[key]
 
 
+def is_tf_strategy(strategy):
+    """Whether ``strategy`` is a ``tf.distribute.Strategy`` (never imports TensorFlow)."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(strategy, tf.distribute.Strategy)
+
+
+class NoStrategy:
+    """What an optimization used alone runs under on a backend without tf.distribute: one device."""
+
+    num_replicas_in_sync = 1
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+
+def current_strategy():
+    """The strategy (TensorFlow) or distribution (JAX: the user's ``set_distribution``) in effect, or
+    :class:`NoStrategy`."""
+    from .backend import keras_backend
+
+    if keras_backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.distribute.get_strategy()
+    import keras
+
+    return keras.distribution.distribution() or NoStrategy()
+
+
 def check_local_devices(strategy):
     """A user's own single-machine Strategy over devices this machine lacks hangs in ``fit``
     (``MirroredStrategy(["/gpu:0", "/gpu:1"])`` without GPUs): refuse it at compile."""
+    if not is_tf_strategy(strategy):
+        return
     import tensorflow as tf
 
     local_kinds = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy,
@@ -108,9 +139,9 @@ def _callback_list(callbacks):
 
 
 def _is_dataset(value):
-    import tensorflow as tf
+    from .plugin_tools import is_dataset
 
-    return isinstance(value, tf.data.Dataset)
+    return is_dataset(value)
 
 
 def _bind(function, model, args, kwargs):
@@ -132,13 +163,17 @@ def distributed_compile(model, original_compile, args, kwargs, distribute):
     cluster = system.detect_cluster()
     plan = resolve_plan(distribute, system, cluster)
     strategy = strategy_for(plan.strategy, cluster, system)
-    _check_not_bound_elsewhere(model, strategy, plan)
+    tf_strategy = is_tf_strategy(strategy)
+    if tf_strategy:
+        _check_not_bound_elsewhere(model, strategy, plan)
 
     compile_kwargs = _bind(original_compile, model, args, kwargs)
-    _check_keras_limits(strategy, compile_kwargs)
+    if tf_strategy:
+        _check_keras_limits(strategy, compile_kwargs)
     with strategy.scope():
         optimizer = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
-    internals.move_to_strategy(model, strategy, optimizer)
+    if tf_strategy:  # other backends' plugins place the variables in kerasdist_prepare_model
+        internals.move_to_strategy(model, strategy, optimizer)
     compile_kwargs["optimizer"] = optimizer
 
     session = Session(plan, strategy, cluster, system)

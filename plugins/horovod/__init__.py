@@ -24,6 +24,7 @@ Each rank is one replica: the strategy is TensorFlow's default strategy.
 import warnings
 
 import kerasdist
+from kerasdist.plugin_tools import keras_backend
 
 from .cluster import detect
 from .options import (BUILD_COMMAND, CPU_DEFAULTS, HOROVOD_VERSION, Horovod, check_options, check_runtime,
@@ -73,7 +74,7 @@ def kerasdist_auto_strategy(cluster):
 @kerasdist.hookimpl
 def kerasdist_process_start(cluster, environ):
     """Under horovodrun: Horovod's CPU defaults, one GPU per local rank, ``hvd.init()``."""
-    if cluster.source != "horovod":
+    if cluster.source != "horovod" or keras_backend() != "tensorflow":
         return
     for name, value in CPU_DEFAULTS.items():
         environ.setdefault(name, value)

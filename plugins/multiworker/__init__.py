@@ -12,7 +12,7 @@ import os
 
 import kerasdist
 from kerasdist import ClusterConfigError
-from kerasdist.plugin_tools import number_from_env
+from kerasdist.plugin_tools import keras_backend, number_from_env
 
 from .gradients import gradient_transport, use_ring
 from .join import TooLate, check_port_free, join_cluster, state
@@ -49,7 +49,7 @@ def kerasdist_auto_strategy(cluster):
 
 @kerasdist.hookimpl
 def kerasdist_process_start(cluster, environ):
-    if not is_worker_cluster(cluster):
+    if not is_worker_cluster(cluster) or keras_backend() != "tensorflow":
         return
     options = CollectiveOptions.from_env(environ)
     join_timeout = number_from_env(environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT)
