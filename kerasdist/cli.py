@@ -20,7 +20,8 @@ def _plugins(args):
     for r in rows:
         state = "available" if r["available"] else "unavailable"
         package = f"{r['package']} {r['version'] or ''}".strip() if r["package"] else "(in-process)"
-        print(f"{r['name']:<{width}}  {str(r['kind'] or '?'):<12}  {state:<11}  {package}")
+        backends = ",".join(r["backends"]) or ("any" if r["kind"] else "")
+        print(f"{r['name']:<{width}}  {str(r['kind'] or '?'):<12}  {state:<11}  {backends:<18}  {package}")
         if args.verbose:
             _print_details(r, width)
         if not r["available"]:
@@ -36,8 +37,6 @@ def _print_details(row, width):
         print(f"{pad}{row['description']}")
     if row["aliases"]:
         print(f"{pad}aliases: {', '.join(row['aliases'])}")
-    if row["backends"]:
-        print(f"{pad}backends: {', '.join(row['backends'])}")
     if row["options"] is not None:
         options = ", ".join(f"{k}={v}" for k, v in row["options"].items()) or "(none)"
         print(f"{pad}options: {options}")

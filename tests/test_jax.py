@@ -4,6 +4,7 @@
 import importlib.util
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -57,6 +58,27 @@ def test_hybrid_2x4_shards_each_dense_kernel_in_quarters_and_trains_the_same(pla
             assert len(fractions) == 8 and set(fractions) == {0.25}, (path, fractions)
             assert info["specs"][path] == "P(None, 'model')"
     assert "sequential/d1/kernel  (16, 64)          (None, 'model')       1024" in stdout  # show_layout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_launch_2_processes_of_4_devices_train_one_model_on_a_global_2x4_mesh(tmp_path):
+    single, single_info, _ = _train("hybrid", tmp_path, "mesh=2x4")
+    kerasdist_command = os.path.join(os.path.dirname(sys.executable), "kerasdist")
+    out = str(tmp_path / "launched.npz")
+    env = child_env(KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    run([kerasdist_command, "launch", "-n", "2", TRAIN, "hybrid", out, "mesh=2x4"], timeout=300, env=env)
+    launched = np.load(out)
+    with open(out + ".json") as f:
+        info = json.load(f)
+    diff = _max_diff([launched[k] for k in launched.files], single)
+    print(f"kerasdist launch -n 2 (2 x 4 devices, global 2x4 mesh) vs one process of 8 devices: max |dw| = {diff:.3g}")
+    assert info["processes"] == 2 and info["devices"] == 8 and diff <= 1e-5
+    assert single_info["processes"] == 1
+    crashed = run([kerasdist_command, "launch", "-n", "2", TRAIN, "hybrid", str(tmp_path / "c.npz"), "crash=1"],
+                  timeout=300, env=env, check=False)
+    assert crashed.returncode != 0 and "[1] CRASHING" in crashed.stdout
+    assert "worker 1 exited with exit code 3" in crashed.stdout
 
 
 @pytest.mark.timeout(300)

@@ -17,6 +17,7 @@ import kerasdist
 from kerasdist.plugin_tools import (check_number, keras_backend, lay_out_variables, local_replica_devices,
                                     variable_layout)
 
+from . import processes
 from .layout import (DEFAULT_MIN_SHARD_SIZE, check_layout_axes, choose_axes, format_layout, layout_rows,
                      mesh_shape)
 
@@ -94,6 +95,13 @@ def kerasdist_auto_strategy(cluster):
 
 
 @kerasdist.hookimpl
+def kerasdist_process_start(cluster):
+    """On JAX, a process of a TF_CONFIG/Slurm cluster (``kerasdist launch -n N``) joins one JAX cluster."""
+    if keras_backend() == "jax" and processes.is_process_cluster(cluster):
+        processes.join(cluster)
+
+
+@kerasdist.hookimpl
 def kerasdist_create_strategy(spec):
     if not isinstance(spec, (DataParallel, Hybrid)):
         return None
@@ -105,11 +113,14 @@ def kerasdist_create_strategy(spec):
 
     devices = _jax_devices(spec)
     if isinstance(spec, DataParallel):
-        return keras.distribution.DataParallel(devices=devices)
-    mesh = mesh_shape(spec, len(devices))
-    device_mesh = keras.distribution.DeviceMesh(shape=tuple(mesh.values()), axis_names=list(mesh), devices=devices)
-    return keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(device_mesh),
-                                            batch_dim_name=spec.batch_axis)
+        distribution = keras.distribution.DataParallel(devices=devices)
+    else:
+        mesh = mesh_shape(spec, len(devices))
+        device_mesh = keras.distribution.DeviceMesh(shape=tuple(mesh.values()), axis_names=list(mesh), devices=devices)
+        distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(device_mesh),
+                                                        batch_dim_name=spec.batch_axis)
+    distribution.auto_shard_dataset = False  # several processes: each is given its rows (processes.py)
+    return distribution
 
 
 def _jax_devices(spec):
@@ -164,6 +175,13 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         raise kerasdist.KerasdistError(
             f"{spec.name}: batch_size={batch} cannot be split along the batch axis {batch_axis!r} of size {size}; "
             f"give a multiple of {size} (batch_size is the global batch).")
+    if processes.process_count()[0] > 1:
+        if method == "predict":
+            raise kerasdist.KerasdistError(
+                f"{spec.name}: predict over several JAX processes is not supported; predict in one process "
+                "(e.g. load the saved model there), or under kerasdist.is_chief() after training.")
+        processes.split_inputs(call_kwargs, spec.name)
+        processes.quiet_other_processes(method, call_kwargs)
 
 
 @kerasdist.hookimpl

@@ -31,16 +31,26 @@ elif mode == "hybrid":
     batch, model_axis = map(int, options.get("mesh", "2x4").split("x"))
     distribute = kerasdist.hybrid(mesh={"batch": batch, "model": model_axis}, min_shard_size=0, show_layout=True)
 model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", distribute=distribute)
+if options.get("crash") and not kerasdist.is_chief():
+    print("CRASHING", flush=True)
+    os._exit(3)
 history = model.fit(x, y, batch_size=int(options.get("batch", 32)), epochs=2, shuffle=False, verbose=0)
+
+import jax  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 fractions = {}
 for v in model.weights:
     value = v.value
     shards = value.addressable_shards
     fractions[v.path] = [s.data.size / value.size for s in shards]
-np.savez(out, *[np.asarray(w) for w in model.get_weights()])
+weights = [np.asarray(multihost_utils.process_allgather(v.value, tiled=True)) if jax.process_count() > 1
+           else np.asarray(v.value) for v in model.weights]  # every process takes part in the gather
+if not kerasdist.is_chief():
+    sys.exit(0)
+np.savez(out, *weights)
 with open(out + ".json", "w") as f:
     json.dump({"fractions": fractions, "loss": history.history["loss"],
-               "devices": len(__import__("jax").devices()),
+               "devices": len(jax.devices()), "processes": jax.process_count(),
                "specs": {v.path: str(getattr(v.value.sharding, "spec", None)) for v in model.weights}}, f)
 print("DONE", mode, history.history["loss"])
