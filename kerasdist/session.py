@@ -93,6 +93,7 @@ class Session:
         if any(m is model for m in getattr(_inside_keras, "models", ())):  # Keras's own nested call
             return original(model, *args, **kwargs)
         call_kwargs = _bind(original, model, args, kwargs)
+        _check_not_empty(method, call_kwargs.get("x"))
         call_kwargs["callbacks"] = _callback_list(call_kwargs.get("callbacks"))
         with self.strategy.scope():
             call_kwargs["x"] = self._prepare_dataset(call_kwargs.get("x"), method, model)
@@ -127,6 +128,21 @@ class Session:
             if replaced is not None:
                 value = replaced
         return value
+
+
+def _check_not_empty(method, x):
+    """An input with no example fails here, with its name, not deep inside a strategy's input pipeline."""
+    if _is_dataset(x):
+        if int(x.cardinality()) == 0:
+            raise KerasdistError(f"{method}: the tf.data.Dataset given as x is empty (0 batches); give a dataset "
+                                 "with at least one batch.")
+        return
+    first = x
+    while isinstance(first, (dict, list, tuple)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    shape = getattr(first, "shape", None)
+    if shape is not None and len(shape) > 0 and shape[0] == 0:
+        raise KerasdistError(f"{method}: x has 0 examples (shape {tuple(shape)}); give at least one example.")
 
 
 def _callback_list(callbacks):

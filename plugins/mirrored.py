@@ -46,7 +46,7 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.plugin_tools import check_devices_exist, local_replica_devices
+    from kerasdist.plugin_tools import canonical_devices, check_devices_exist, local_replica_devices
 
     if spec.cross_device_ops not in _CROSS_DEVICE_OPS:
         raise kerasdist.KerasdistError(
@@ -54,6 +54,12 @@ def kerasdist_create_strategy(spec):
             f"{', '.join(_CROSS_DEVICE_OPS)}.")
     devices = list(spec.devices) if spec.devices else local_replica_devices()
     check_devices_exist(devices, plugin="mirrored")
+    if len(canonical_devices(devices)) != len(devices):
+        raise kerasdist.KerasdistError(f"mirrored: devices={list(spec.devices)} names a device twice; list each "
+                                       "device once.")
+    if spec.cross_device_ops == "nccl" and not any("GPU" in name for name in canonical_devices(devices)):
+        raise kerasdist.KerasdistError(f"mirrored: cross_device_ops='nccl' needs GPUs, but the devices are "
+                                       f"{list(canonical_devices(devices))}; use 'auto' (or 'reduce_to_one').")
     ops = {
         "auto": None,
         "nccl": lambda: tf.distribute.NcclAllReduce(),

@@ -21,11 +21,13 @@ process to Keras 2 on import):
 import dataclasses
 import logging
 import math
+import numbers
 import warnings
 import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import kerasdist
+from kerasdist.plugin_tools import check_number
 
 log = logging.getLogger("kerasdist.prune")
 
@@ -63,8 +65,8 @@ class Prune(kerasdist.OptimizationSpec):
     layers: Optional[Union[Sequence[str], Callable]] = None
 
     def __post_init__(self):
-        _check_fraction("target_sparsity", self.target_sparsity)
-        _check_fraction("initial_sparsity", self.initial_sparsity)
+        self.target_sparsity = _check_fraction("target_sparsity", self.target_sparsity)
+        self.initial_sparsity = _check_fraction("initial_sparsity", self.initial_sparsity)
         if self.schedule not in SCHEDULES:
             raise kerasdist.KerasdistError(
                 f"prune: schedule={self.schedule!r} is not valid; choose 'polynomial' or 'constant'.")
@@ -72,22 +74,21 @@ class Prune(kerasdist.OptimizationSpec):
         _check_int("frequency", self.frequency, minimum=1)
         if self.end_step is not None:
             _check_int("end_step", self.end_step, minimum=self.begin_step + 1)
-        if not (isinstance(self.power, (int, float)) and self.power > 0):
-            raise kerasdist.KerasdistError(f"prune: power={self.power!r} is not valid; give a number > 0 (e.g. 3).")
+        self.power = check_number(self.power, "power", "prune", minimum=0, inclusive_minimum=False)
         if isinstance(self.layers, str):
             self.layers = [self.layers]
 
 
 def _check_fraction(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 <= value < 1.0):
         raise kerasdist.KerasdistError(
             f"prune: {name}={value!r} is not valid; give a fraction in [0, 1), e.g. 0.75 for "
             "75% of each kernel's weights set to zero.")
+    return float(value)
 
 
 def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise kerasdist.KerasdistError(f"prune: {name}={value!r} is not valid; give a whole number >= {minimum}.")
+    return check_number(value, name, "prune", minimum=minimum, integer=True)
 
 
 # -- the schedule (TFMOT's math) ------------------------------------------------
