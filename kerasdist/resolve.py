@@ -45,10 +45,12 @@ def _is_tf_strategy(value):
     """A tf.distribute.Strategy, or a keras.distribution.Distribution (JAX), passed as is."""
     import sys
 
-    tf, keras = sys.modules.get("tensorflow"), sys.modules.get("keras")
+    tf = sys.modules.get("tensorflow")
     if tf is not None and isinstance(value, tf.distribute.Strategy):
         return True
-    return keras is not None and isinstance(value, keras.distribution.Distribution)
+    # keras.distribution exports no base class: a Distribution is what has a mesh, layouts and a scope
+    return all(callable(getattr(value, name, None)) for name in ("get_data_layout", "get_variable_layout", "scope")) \
+        and hasattr(value, "device_mesh")
 
 
 def entry_for(spec, system):
