@@ -49,14 +49,22 @@ def _env(args):
     system = get_system()
     cluster = system.detect_cluster()
     auto = system.hook.kerasdist_auto_strategy(cluster=cluster)
+    listeners = [item for found in system.hook.kerasdist_listeners(cluster=cluster) if found for item in found]
     info = {"cluster": cluster.as_dict(), "is_chief": cluster.is_chief, "num_workers": cluster.num_workers,
             "auto_strategy": auto, "keras_backend": _backend(), "local_devices": _devices(),
-            "kerasdist": kerasdist.__version__}
+            "listens": listeners, "kerasdist": kerasdist.__version__}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
         for key, value in info.items():
-            print(f"{key}: {value}")
+            if key == "listens":
+                print("listens:" + ("" if value else " nothing (a single process opens no port)"))
+                for item in value:
+                    print(f"  {item['address']}  ({item['interfaces']} interfaces)  {item['what']}")
+                if value:
+                    print("  see docs/security.md: TensorFlow's servers accept any client that reaches them")
+            else:
+                print(f"{key}: {value}")
     return 0
 
 
@@ -105,7 +113,11 @@ def build_parser():
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_env)
     p = sub.add_parser("launch", help="start N local worker processes that form one cluster (TF_CONFIG on 127.0.0.1)",
-                       description="kerasdist launch -n N [--] script.py [args]")
+                       description="kerasdist launch -n N [--] script.py [args]",
+                       epilog="Security: the workers' TensorFlow gRPC servers listen on EVERY interface (TensorFlow "
+                              "cannot bind one address) and accept any client, which can run code as you. Keep their "
+                              "ports behind a firewall; `kerasdist env` in a worker lists what listens, and "
+                              "docs/security.md has a firewall recipe.")
     from .launch import add_arguments
 
     add_arguments(p)

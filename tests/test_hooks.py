@@ -285,3 +285,23 @@ def test_hook_kerasdist_launch_environment(fresh_system):
     colors = [env["COLOR"] for env in environs]
     assert colors[0].startswith("red-0-of-2@127.0.0.1:") and colors[1].startswith("red-1-of-2@127.0.0.1:")
     assert all("KERASDIST_CLUSTER" not in env and env["PATH"] == "/bin" for env in environs)
+
+
+def test_hook_kerasdist_listeners(fresh_system, capsys, monkeypatch):
+    from kerasdist import cli
+
+    class Listens:
+        @kerasdist.hookimpl
+        def kerasdist_listeners(self, cluster):
+            return [{"what": f"a test server of {cluster.source}", "address": "127.0.0.1:9", "interfaces": "the address's"}]
+
+    class Silent:
+        @kerasdist.hookimpl
+        def kerasdist_listeners(self, cluster):
+            return None
+
+    fresh_system.add_plugin(Listens(), name="listens")
+    fresh_system.add_plugin(Silent(), name="silent")
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "listens:\n  127.0.0.1:9  (the address's interfaces)  a test server of local" in out

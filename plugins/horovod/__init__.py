@@ -72,6 +72,15 @@ def kerasdist_auto_strategy(cluster):
 
 
 @kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if cluster.source != "horovod":
+        return None
+    return [{"what": "horovod: Gloo all-reduce ports and horovodrun's rendezvous server, chosen by horovodrun "
+                     "(--network-interfaces limits the interfaces; no authentication)",
+             "address": "<ports chosen by horovodrun>", "interfaces": "--network-interfaces'"}]
+
+
+@kerasdist.hookimpl
 def kerasdist_process_start(cluster, environ):
     """Under horovodrun: Horovod's CPU defaults, one GPU per local rank, ``hvd.init()``."""
     if cluster.source != "horovod" or keras_backend() != "tensorflow":

@@ -102,6 +102,17 @@ def kerasdist_process_start(cluster):
 
 
 @kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if keras_backend() != "jax" or not processes.is_process_cluster(cluster):
+        return None
+    tasks = list(cluster.cluster.get("chief", ())) + list(cluster.cluster.get("worker", ()))
+    if cluster.task_index != 0 or (cluster.task_type == "worker" and cluster.cluster.get("chief")):
+        return []
+    return [{"what": "JAX's distributed coordination service (jax.distributed), process 0 only",
+             "address": "*:" + tasks[0].rsplit(":", 1)[1], "interfaces": "all"}]
+
+
+@kerasdist.hookimpl
 def kerasdist_create_strategy(spec):
     if not isinstance(spec, (DataParallel, Hybrid)):
         return None

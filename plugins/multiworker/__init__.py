@@ -60,6 +60,18 @@ def kerasdist_process_start(cluster, environ):
         state.error = exc
 
 
+@kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if not is_worker_cluster(cluster) or keras_backend() != "tensorflow":
+        return None
+    address = cluster.cluster[cluster.task_type][cluster.task_index]
+    host = address.rsplit(":", 1)[0]
+    return [{"what": "multiworker: TensorFlow's gRPC server (collectives, coordination); no authentication",
+             "address": address.replace(host, "*", 1), "interfaces": "all"},
+            {"what": "multiworker: kerasdist's TCP ring for gradients (a free port, job secret checked)",
+             "address": f"{host}:<free port>", "interfaces": "the address's"}]
+
+
 # -- kerasdist launch ---------------------------------------------------------------
 
 _LAUNCH_OPTIONS = (  # (option, environment variable it sets in each worker)

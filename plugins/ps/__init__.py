@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import kerasdist
 from kerasdist import ClusterConfigError, PluginUnavailableError
-from kerasdist.plugin_tools import check_number
+from kerasdist.plugin_tools import check_number, keras_backend
 
 from .cluster import DEFAULT_CONNECT_TIMEOUT, SERVING_JOBS, Connection, Presence, cluster_of, wait_reachable
 
@@ -54,6 +54,19 @@ def kerasdist_register_strategies(register):
 @kerasdist.hookimpl(tryfirst=True)
 def kerasdist_auto_strategy(cluster):
     return "ps" if cluster.has_parameter_servers and cluster.task_type not in SERVING_JOBS else None
+
+
+@kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if not cluster.has_parameter_servers or keras_backend() != "tensorflow":
+        return None
+    address = cluster.cluster[cluster.task_type][cluster.task_index]
+    if cluster.task_type in SERVING_JOBS:
+        return [{"what": f"ps: TensorFlow's gRPC server of {cluster.task_type} {cluster.task_index} "
+                         "(python -m kerasdist_plugins.ps); runs any graph a client sends, no authentication",
+                 "address": "*:" + address.rsplit(":", 1)[1], "interfaces": "all"}]
+    return [{"what": "ps: the coordinator's presence (accepts and closes connections, reads nothing)",
+             "address": address, "interfaces": "the address's"}]
 
 
 @kerasdist.hookimpl
