@@ -9,6 +9,7 @@ private attributes and ``Variable._initialize``. Everything private lives here;
 """
 
 import contextlib
+import inspect
 
 #: Keras releases these internals were read and tested against.
 CHECKED_KERAS_VERSIONS = ("3.15",)
@@ -377,3 +378,81 @@ def lay_out_variables(variables, layout_of):
 def variable_layout(variable):
     """The ``keras.distribution.TensorLayout`` a variable was given, or None."""
     return getattr(variable, "_layout", None)
+
+
+# -- uneven per-replica batches (mirrored, central_storage) -----------------------------------------
+
+def weight_replicas_by_batch_share(model, optimizer, strategy):
+    """Make training under ``strategy`` equal to one device when a global batch does not split evenly
+    (a last batch of 1 over 2 replicas leaves one replica empty). Idempotent.
+
+    Keras averages each replica's mean loss (1/R each); the global mean needs each replica weighted by
+    its share of the batch, n_r * R / N. The factor multiplies the loss in ``optimizer.scale_loss``
+    (public; called after the loss metric is updated, so logs stay per-example means), with n_r recorded
+    by a ``model.compute_loss`` wrapper (public) and N summed over the replicas. Keras's first-batch
+    build (``Trainer._maybe_symbolic_build``, private; Keras 3.15) averages the replicas' batches,
+    which fails for unequal shapes: it builds from the first replica's batch instead.
+    """
+    import threading
+
+    import tensorflow as tf
+
+    if getattr(model, "_kerasdist_uneven", None) is not None:
+        model._kerasdist_uneven.optimizer = optimizer
+        _wrap_scale_loss(optimizer, model._kerasdist_uneven)
+        return
+    state = threading.local()  # MirroredStrategy traces each replica in its own thread
+    state.optimizer = optimizer
+    model._kerasdist_uneven = state
+    original_compute_loss = model.compute_loss
+    with_training = "training" in inspect.signature(original_compute_loss).parameters
+
+    def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        leaf = next((t for t in keras_tree().flatten(y_pred) if t is not None), None)
+        state.batch = tf.shape(leaf)[0] if leaf is not None else None
+        if with_training:
+            return original_compute_loss(x, y, y_pred, sample_weight, training=training)
+        return original_compute_loss(x, y, y_pred, sample_weight)
+
+    model.compute_loss = compute_loss
+    _wrap_scale_loss(optimizer, state)
+
+    def maybe_symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, it in iterator:
+                batch = next(it)
+                data_batch = keras_tree().map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    model._maybe_symbolic_build = maybe_symbolic_build
+
+
+def _wrap_scale_loss(optimizer, state):
+    import tensorflow as tf
+
+    if getattr(optimizer, "_kerasdist_scale_loss", None) is not None:
+        return
+    original = optimizer.scale_loss
+    optimizer._kerasdist_scale_loss = original
+
+    def scale_loss(loss):
+        context = tf.distribute.get_replica_context()
+        batch = getattr(state, "batch", None)
+        if context is None or batch is None or context.num_replicas_in_sync == 1:
+            return original(loss)
+        local = tf.cast(batch, loss.dtype)
+        total = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        share = tf.math.divide_no_nan(local * context.num_replicas_in_sync, total)
+        return original(loss * share)
+
+    optimizer.scale_loss = scale_loss
+
+
+def keras_tree():
+    import keras
+
+    return keras.tree

@@ -19,7 +19,7 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, bind_model, bound_strateg
                                is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
                                move_to_strategy, parameter_server_strategy, route_gradient_all_reduce,
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
-                               variable_layout)
+                               variable_layout, weight_replicas_by_batch_share)
 from .backend import keras_backend
 from .devices import canonical_devices, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
@@ -34,7 +34,7 @@ __all__ = [
     "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",
     "set_log_summer", "tf_context_initialized", "configure_coordination", "make_chief_aware_backup",
     "parameter_server_strategy", "symbolic_build",
-    "flatten_metrics_in_order", "lay_out_variables", "variable_layout",
+    "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
 ]
 
 

@@ -43,3 +43,12 @@ def kerasdist_create_strategy(spec):
     check_devices_exist(devices + ([spec.parameter_device] if spec.parameter_device else []),
                         plugin="central_storage")
     return tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    """A global batch that does not split evenly over the replicas trains as on one device."""
+    if isinstance(spec, CentralStorage):
+        from kerasdist.plugin_tools import weight_replicas_by_batch_share
+
+        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)

@@ -67,3 +67,12 @@ def kerasdist_create_strategy(spec):
         "reduce_to_one": lambda: tf.distribute.ReductionToOneDevice(),
     }[spec.cross_device_ops]
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops() if ops else None)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    """A global batch that does not split evenly over the replicas trains as on one device."""
+    if isinstance(spec, Mirrored):
+        from kerasdist.plugin_tools import weight_replicas_by_batch_share
+
+        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)

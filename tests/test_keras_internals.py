@@ -215,3 +215,16 @@ def test_log_summer_replaces_the_per_log_reduce_for_float_scalars():
     finally:
         internals.set_log_summer(strategy, 0, None)
     assert id(strategy) not in internals._log_summers
+
+
+def test_fit_still_builds_through_maybe_symbolic_build_and_scales_the_loss_with_the_optimizer():
+    """weight_replicas_by_batch_share replaces Trainer._maybe_symbolic_build and relies on train_step
+    calling compute_loss, then optimizer.scale_loss (Keras 3.15)."""
+    import inspect
+
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    assert "self._maybe_symbolic_build(iterator=iterator)" in inspect.getsource(tf_trainer.TensorFlowTrainer.fit)
+    step = inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
+    assert step.index("self._compute_loss(") < step.index("self._loss_tracker.update_state(") \
+        < step.index("self.optimizer.scale_loss(loss)")

@@ -176,6 +176,14 @@ def kerasdist_prepare_model(model, strategy, spec):
 
 
 @kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":
+        from kerasdist.plugin_tools import weight_replicas_by_batch_share
+
+        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
+
+
+@kerasdist.hookimpl
 def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if not isinstance(spec, (DataParallel, Hybrid)) or keras_backend() != "jax":
         return
