@@ -224,7 +224,7 @@ def test_fit_still_builds_through_maybe_symbolic_build_and_scales_the_loss_with_
 
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    assert "self._maybe_symbolic_build(iterator=iterator)" in inspect.getsource(tf_trainer.TensorFlowTrainer.fit)
+    assert "self._maybe_symbolic_build(iterator=epoch_iterator)" in inspect.getsource(tf_trainer.TensorFlowTrainer.fit)
     step = inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
     assert step.index("self._compute_loss(") < step.index("self._loss_tracker.update_state(") \
         < step.index("self.optimizer.scale_loss(loss)")
