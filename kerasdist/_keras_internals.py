@@ -456,3 +456,70 @@ def keras_tree():
     import keras
 
     return keras.tree
+
+
+# -- gradient accumulation under a tf.distribute strategy --------------------------------------------
+
+def accumulate_across_replicas(optimizer, strategy):
+    """Make Keras's ``gradient_accumulation_steps`` work under ``strategy``. Idempotent.
+
+    Keras accumulates inside ``ops.cond`` and the update step then calls ``merge_call`` inside the
+    branch, which tf.distribute refuses ("merge_call called while defining a new graph"). Here the
+    micro-batch gradients are all-reduced first, every step (``_all_reduce_sum_gradients``, routed as
+    the strategy's plugin set it), and the accumulate-or-update decision runs in cross-replica
+    context. Replaces the instance's ``_backend_apply_gradients`` (private; Keras 3.15 TFOptimizer).
+    """
+    import tensorflow as tf
+
+    if not optimizer.gradient_accumulation_steps or getattr(optimizer, "_kerasdist_accumulates", False):
+        return
+    unsupported = [name for name in ("clipnorm", "clipvalue", "global_clipnorm", "use_ema")
+                   if getattr(optimizer, name, None)]
+    if unsupported:
+        from .errors import KerasdistError
+
+        raise KerasdistError(
+            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} with {', '.join(unsupported)} is "
+            f"not supported under {type(strategy).__name__}; drop {unsupported[0]}, or accumulate by a larger "
+            "global batch_size instead.")
+    optimizer._kerasdist_accumulates = True
+    steps = optimizer.gradient_accumulation_steps
+
+    def backend_apply_gradients(grads, trainable_variables):
+        grads_and_vars = optimizer._all_reduce_sum_gradients(
+            list(zip(grads, [v.value for v in trainable_variables])))
+        accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)].value
+                        for v in trainable_variables]  # the tf.Variables behind Keras's variables
+        tf.distribute.get_replica_context().merge_call(
+            _accumulate_or_update, args=(optimizer, steps, grads_and_vars, accumulators, trainable_variables))
+
+    optimizer._backend_apply_gradients = backend_apply_gradients
+
+
+def _accumulate_or_update(distribution, optimizer, steps, grads_and_vars, accumulators, trainable_variables):
+    import tensorflow as tf
+
+    def update():
+        update_pairs = []
+        for (grad, var), acc in zip(grads_and_vars, accumulators):  # acc := (acc + grad) / steps, the update
+            distribution.extended.update(acc, lambda a, g: a.assign((a + g) / steps), args=(grad,), group=False)
+            update_pairs.append((acc, var))
+        if optimizer.weight_decay:
+            for variable in trainable_variables:
+                if optimizer._use_weight_decay(variable):
+                    rate = optimizer.weight_decay * optimizer.learning_rate
+                    distribution.extended.update(
+                        variable.value, lambda v, r: v.assign_sub(v * tf.cast(r, v.dtype)), args=(rate,),
+                        group=False)
+        optimizer._distributed_tf_update_step(distribution, update_pairs, optimizer.learning_rate)
+        for acc in accumulators:
+            distribution.extended.update(acc, lambda a: a.assign(tf.zeros_like(a)), group=False)
+        return tf.constant(True)
+
+    def accumulate():
+        for (grad, _), acc in zip(grads_and_vars, accumulators):
+            distribution.extended.update(acc, lambda a, g: a.assign_add(g), args=(grad,), group=False)
+        return tf.constant(False)
+
+    is_update_step = (optimizer._iterations + 1) % steps == 0
+    tf.cond(is_update_step, update, accumulate)

@@ -47,8 +47,9 @@ def kerasdist_create_strategy(spec):
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
-    """A global batch that does not split evenly over the replicas trains as on one device."""
+    """Uneven global batches and gradient accumulation train as on one device."""
     if isinstance(spec, CentralStorage):
-        from kerasdist.plugin_tools import weight_replicas_by_batch_share
+        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
 
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
+        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)

@@ -43,3 +43,34 @@ def test_uneven_batches_train_like_one_device(distribute, kind):
         np.testing.assert_allclose(history["loss"], reference[1]["loss"], atol=1e-5)
         np.testing.assert_allclose(history["mae"], reference[1]["mae"], atol=1e-5)
         np.testing.assert_allclose(evaluation, reference[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("distribute", ["mirrored", "central_storage", "data_parallel"])
+def test_gradient_accumulation_equals_one_device_on_the_accumulated_batch(distribute):
+    x, y = _data(64)
+
+    def train(distribute, steps, batch):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.5, gradient_accumulation_steps=steps)
+        model.compile(loss="mse", optimizer=optimizer, distribute=distribute)
+        model.fit(x, y, batch_size=batch, epochs=2, verbose=0, shuffle=False)
+        return [w.numpy() for w in model.weights], int(model.optimizer.iterations.numpy())
+
+    reference, reference_steps = train(None, None, 16)  # one device, batch 16
+    weights, steps = train(distribute, 2, 8)  # 2 replicas, global batch 8, accumulated twice
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference))
+    print(f"{distribute}, gradient_accumulation_steps=2 x batch 8 vs one device x batch 16: max |dw| = {diff:.3g}")
+    assert diff <= 1e-5 and steps == reference_steps == 8
+
+
+def test_accumulation_with_clipping_is_refused_at_compile():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1, clipnorm=1.0, gradient_accumulation_steps=2)
+    with pytest.raises(kerasdist.KerasdistError, match="gradient_accumulation_steps=2 with clipnorm"):
+        model.compile(loss="mse", optimizer=optimizer, distribute="mirrored")
+
+
+def test_accumulation_steps_below_2_are_refused_by_keras_with_its_message():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps` must be an integer >= 2"):
+        keras.optimizers.SGD(gradient_accumulation_steps=1)

@@ -178,9 +178,10 @@ def kerasdist_prepare_model(model, strategy, spec):
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":
-        from kerasdist.plugin_tools import weight_replicas_by_batch_share
+        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
 
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
+        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
 
 
 @kerasdist.hookimpl

@@ -131,6 +131,15 @@ def kerasdist_create_strategy(spec, cluster):
     return state.strategy
 
 
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, strategy, spec):
+    """Keras's gradient_accumulation_steps under MultiWorkerMirroredStrategy (over the ring or TensorFlow's)."""
+    if isinstance(spec, MultiWorker):
+        from kerasdist.plugin_tools import accumulate_across_replicas
+
+        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+
+
 # -- fit / evaluate / predict --------------------------------------------------------
 
 @kerasdist.hookimpl
