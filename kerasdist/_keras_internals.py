@@ -523,3 +523,21 @@ def _accumulate_or_update(distribution, optimizer, steps, grads_and_vars, accumu
 
     is_update_step = (optimizer._iterations + 1) % steps == 0
     tf.cond(is_update_step, update, accumulate)
+
+
+def synchronize_batch_norm(model):
+    """Turn every ``keras.layers.BatchNormalization`` of ``model`` (nested ones too) into its synchronized
+    form, which reduces the batch statistics over all replicas of the strategy (Keras's own
+    ``synchronized=True``, TensorFlow backend). Returns the number of layers changed.
+
+    Private: ``Layer._flatten_layers`` finds layers nested in custom layers (Keras 3.15); setting
+    ``synchronized`` after construction works because ``call`` reads it (checked by a test).
+    """
+    import keras
+
+    changed = 0
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized:
+            layer.synchronized = True
+            changed += 1
+    return changed

@@ -12,10 +12,14 @@ class Mirrored(kerasdist.StrategySpec):
 
     :param devices: device names such as ``["/gpu:0", "/gpu:1"]``.
     :param cross_device_ops: "auto", "nccl", "hierarchical_copy" or "reduce_to_one".
+    :param sync_batch_norm: BatchNormalization layers use the statistics of the whole global batch
+        (one all-reduce of mean and variance per layer and step), as on one device; off by default:
+        each replica then normalizes with its own share of the batch.
     """
 
     devices: Optional[Sequence[str]] = None
     cross_device_ops: str = "auto"
+    sync_batch_norm: bool = False
 
     def identity(self):
         """Equal when the devices are: ``"mirrored"`` and ``mirrored(devices=[every local device])``
@@ -23,6 +27,7 @@ class Mirrored(kerasdist.StrategySpec):
         from kerasdist.plugin_tools import canonical_devices, local_replica_devices
 
         return (canonical_devices(self.devices or local_replica_devices()), self.cross_device_ops)
+
 
 
 _CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -77,3 +82,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            from kerasdist.plugin_tools import synchronize_batch_norm
+
+            synchronize_batch_norm(model)

@@ -74,3 +74,30 @@ def test_accumulation_with_clipping_is_refused_at_compile():
 def test_accumulation_steps_below_2_are_refused_by_keras_with_its_message():
     with pytest.raises(ValueError, match="gradient_accumulation_steps` must be an integer >= 2"):
         keras.optimizers.SGD(gradient_accumulation_steps=1)
+
+
+def _bn_train(distribute):
+    x, y = _data(64)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                              keras.layers.Activation("relu"), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1), distribute=distribute)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    return [w.numpy() for w in model.weights]
+
+
+@pytest.mark.parametrize("distribute", [lambda: kerasdist.mirrored(sync_batch_norm=True),
+                                        lambda: kerasdist.data_parallel(sync_batch_norm=True)],
+                         ids=["mirrored", "data_parallel"])
+def test_synchronized_batch_norm_equals_one_device_and_the_default_does_not(distribute):
+    reference = _bn_train(None)
+    synced = max(float(np.max(np.abs(a - b))) for a, b in zip(_bn_train(distribute()), reference))
+    local = max(float(np.max(np.abs(a - b))) for a, b in zip(_bn_train("mirrored"), reference))
+    print(f"BatchNormalization, 2 replicas: sync_batch_norm=True max |dw| = {synced:.3g}; default {local:.3g}")
+    assert synced <= 1e-5 and local > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "ps", "central_storage"])
+def test_sync_batch_norm_where_it_cannot_work_is_named(strategy):
+    with pytest.raises(kerasdist.KerasdistError, match=f"'{strategy}' has no option 'sync_batch_norm'"):
+        kerasdist.spec(strategy, sync_batch_norm=True)

@@ -30,9 +30,12 @@ class DataParallel(kerasdist.StrategySpec):
 
     :param devices: TensorFlow device names (default: the local GPUs, else logical CPUs) or JAX
         device ids such as ``"cpu:3"`` (default: every device of every process).
+    :param sync_batch_norm: TensorFlow: BatchNormalization statistics over the whole global batch (one
+        all-reduce per layer and step). JAX computes them over the global batch always.
     """
 
     devices: Optional[Sequence[str]] = None
+    sync_batch_norm: bool = False
 
     def __post_init__(self):
         if self.devices is not None and (isinstance(self.devices, str) or not all(
@@ -182,6 +185,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            from kerasdist.plugin_tools import synchronize_batch_norm
+
+            synchronize_batch_norm(model)
 
 
 @kerasdist.hookimpl

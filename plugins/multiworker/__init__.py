@@ -132,12 +132,14 @@ def kerasdist_create_strategy(spec, cluster):
 
 
 @kerasdist.hookimpl
-def kerasdist_adjust_compile(compile_kwargs, strategy, spec):
-    """Keras's gradient_accumulation_steps under MultiWorkerMirroredStrategy (over the ring or TensorFlow's)."""
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
     if isinstance(spec, MultiWorker):
-        from kerasdist.plugin_tools import accumulate_across_replicas
+        from kerasdist.plugin_tools import accumulate_across_replicas, synchronize_batch_norm
 
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            synchronize_batch_norm(model)
 
 
 # -- fit / evaluate / predict --------------------------------------------------------
