@@ -15,7 +15,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 $(STAMP): pyproject.toml .ci/build_horovod.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[cpu,test]'
+	$(PIP) install -e '.[cpu,jax,test]'
 	if [ "$(HOROVOD)" = 1 ]; then bash .ci/build_horovod.sh $(PY); fi
 	touch $@
 

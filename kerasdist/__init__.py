@@ -20,7 +20,7 @@ __all__ = [
     "LaunchWorker", "OptimizationSpec", "Plan", "PluginSpec", "PluginUnavailableError", "PluginValidationError",
     "PluginWarning", "cluster_hint_variables",
     "StrategyConflictError", "StrategySpec", "UnknownPluginError", "detect_cluster", "export",
-    "hookimpl", "list_plugins", "register_plugin", "spec", "split_cpu", "strategy_of",
+    "hookimpl", "is_chief", "list_plugins", "register_plugin", "spec", "split_cpu", "strategy_of",
     "unregister_plugin",
 ]
 
@@ -59,6 +59,13 @@ def detect_cluster():
     from .manager import get_system
 
     return get_system().detect_cluster()
+
+
+def is_chief():
+    """True in the one process of a job that should write files (``model.save``, exports, reports):
+    the chief, else worker 0, of a multi-worker cluster; Horovod rank 0; the parameter-server
+    coordinator; any process that is not part of a cluster."""
+    return detect_cluster().is_chief
 
 
 def strategy_of(model):

@@ -20,7 +20,8 @@ def _plugins(args):
     for r in rows:
         state = "available" if r["available"] else "unavailable"
         package = f"{r['package']} {r['version'] or ''}".strip() if r["package"] else "(in-process)"
-        print(f"{r['name']:<{width}}  {str(r['kind'] or '?'):<12}  {state:<11}  {package}")
+        backends = ",".join(r["backends"]) or ("any" if r["kind"] else "")
+        print(f"{r['name']:<{width}}  {str(r['kind'] or '?'):<12}  {state:<11}  {backends:<18}  {package}")
         if args.verbose:
             _print_details(r, width)
         if not r["available"]:
@@ -36,8 +37,6 @@ def _print_details(row, width):
         print(f"{pad}{row['description']}")
     if row["aliases"]:
         print(f"{pad}aliases: {', '.join(row['aliases'])}")
-    if row["backends"]:
-        print(f"{pad}backends: {', '.join(row['backends'])}")
     if row["options"] is not None:
         options = ", ".join(f"{k}={v}" for k, v in row["options"].items()) or "(none)"
         print(f"{pad}options: {options}")
@@ -50,14 +49,22 @@ def _env(args):
     system = get_system()
     cluster = system.detect_cluster()
     auto = system.hook.kerasdist_auto_strategy(cluster=cluster)
+    listeners = [item for found in system.hook.kerasdist_listeners(cluster=cluster) if found for item in found]
     info = {"cluster": cluster.as_dict(), "is_chief": cluster.is_chief, "num_workers": cluster.num_workers,
             "auto_strategy": auto, "keras_backend": _backend(), "local_devices": _devices(),
-            "kerasdist": kerasdist.__version__}
+            "listens": listeners, "kerasdist": kerasdist.__version__}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
     else:
         for key, value in info.items():
-            print(f"{key}: {value}")
+            if key == "listens":
+                print("listens:" + ("" if value else " nothing (a single process opens no port)"))
+                for item in value:
+                    print(f"  {item['address']}  ({item['interfaces']} interfaces)  {item['what']}")
+                if value:
+                    print("  see docs/security.md: TensorFlow's servers accept any client that reaches them")
+            else:
+                print(f"{key}: {value}")
     return 0
 
 
@@ -88,14 +95,9 @@ def _native_stderr_silenced():
 
 
 def _launch(args):
-    from .errors import KerasdistError
     from .launch import launch
 
-    try:
-        return launch(args)
-    except KerasdistError as exc:
-        print(f"kerasdist launch: error: {exc}", file=sys.stderr)
-        return 2
+    return launch(args)
 
 
 def build_parser():
@@ -111,7 +113,11 @@ def build_parser():
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_env)
     p = sub.add_parser("launch", help="start N local worker processes that form one cluster (TF_CONFIG on 127.0.0.1)",
-                       description="kerasdist launch -n N [--] script.py [args]")
+                       description="kerasdist launch -n N [--] script.py [args]",
+                       epilog="Security: the workers' TensorFlow gRPC servers listen on EVERY interface (TensorFlow "
+                              "cannot bind one address) and accept any client, which can run code as you. Keep their "
+                              "ports behind a firewall; `kerasdist env` in a worker lists what listens, and "
+                              "docs/security.md has a firewall recipe.")
     from .launch import add_arguments
 
     add_arguments(p)
@@ -121,8 +127,17 @@ def build_parser():
 
 def main(argv=None):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's Python-side warnings, if it loads
+    from .errors import KerasdistError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KerasdistError as exc:  # bad input: the message, not a traceback
+        message = str(exc)
+        prefix = f"kerasdist {args.command}: "
+        print(f"{prefix}error: {message[len(prefix):] if message.startswith(prefix) else message}",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import os
 from .errors import KerasdistError
 
 CPU_REPLICAS_VAR = "KERASDIST_CPU_REPLICAS"
+MAX_CPU_REPLICAS = 64  # or the machine's core count, if larger
 
 
 def cpu_replicas_from_env(environ=None):
@@ -16,9 +17,11 @@ def cpu_replicas_from_env(environ=None):
         count = int(value)
     except ValueError:
         count = 0
-    if count < 1:
-        raise KerasdistError(f"{CPU_REPLICAS_VAR}={value!r} is not valid: give a whole number >= 1 "
-                             "(the number of logical CPU devices, e.g. 2).")
+    limit = max(MAX_CPU_REPLICAS, os.cpu_count() or 1)
+    if not 1 <= count <= limit:
+        raise KerasdistError(f"{CPU_REPLICAS_VAR}={value!r} is not valid: give a whole number from 1 to {limit} "
+                             "(the number of logical CPU devices, e.g. 2; each one costs TensorFlow start-up "
+                             "time and memory).")
     return count
 
 
@@ -62,6 +65,12 @@ def check_devices_exist(devices, plugin):
     if unknown:
         raise KerasdistError(f"{plugin}: device(s) {unknown} do not exist here; available: {logical}. "
                              f"Set {CPU_REPLICAS_VAR}=N to make N logical CPUs.")
+
+
+def canonical_devices(devices):
+    """``devices`` as a sorted tuple of "/device:TYPE:N" names: '/cpu:1', '/device:CPU:1' and
+    '/job:localhost/device:CPU:1' are one device."""
+    return tuple(sorted({"/device:%s:%d" % _device_key(d) for d in devices}))
 
 
 def _device_key(device):

@@ -163,6 +163,18 @@ def kerasdist_process_start(cluster, environ):
     """
 
 
+# -- what listens ---------------------------------------------------------------
+
+@hookspec
+def kerasdist_listeners(cluster):
+    """Say what this process will listen on in ``cluster`` if your plugin trains there (``kerasdist env``).
+
+    :param cluster: the detected :class:`kerasdist.ClusterInfo`.
+    :return: a list of dicts ``{"what": ..., "address": "host:port" or a description,
+        "interfaces": "all" or "the address's"}``, or None.
+    """
+
+
 # -- kerasdist launch ----------------------------------------------------------
 
 @hookspec

@@ -89,6 +89,15 @@ def check_arguments(args):
     if not args.module and not os.path.isfile(args.script[0]):
         raise KerasdistError(f"kerasdist launch: script {args.script[0]!r} does not exist (looked in "
                              f"{os.getcwd()}); give the path of a Python file, or -m for a module.")
+    if args.port_base and not 1 <= args.port_base <= 65536 - args.nproc:
+        raise KerasdistError(f"kerasdist launch: --port-base {args.port_base} with -n {args.nproc} is not valid: the "
+                             f"ports {args.port_base}..{args.port_base + args.nproc - 1} must lie in 1..65535; "
+                             f"give at most {65536 - args.nproc}, or leave it out to pick free ports.")
+    try:
+        socket.getaddrinfo(args.host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise KerasdistError(f"kerasdist launch: --host {args.host!r} does not resolve ({exc}); give this "
+                             "machine's address the workers use, e.g. 127.0.0.1 (the default).") from None
     if not 0 <= args.grace <= MAX_GRACE_S:
         raise KerasdistError(f"kerasdist launch: --grace {args.grace} must be between 0 and {MAX_GRACE_S:g} s "
                              "(the others are stopped within 30 s of a failure).")

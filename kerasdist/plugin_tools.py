@@ -14,24 +14,28 @@ import numbers
 import socket
 import sys
 
-from ._keras_internals import (CHECKED_KERAS_VERSIONS, bind_model, bound_strategy, configure_coordination,
+from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, bind_model, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
-                               is_multiworker_strategy, make_chief_aware_backup,
+                               is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
                                move_to_strategy, parameter_server_strategy, route_gradient_all_reduce,
-                               set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy)
-from .devices import check_devices_exist, local_replica_devices
+                               set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
+                               variable_layout, weight_replicas_by_batch_share)
+from .backend import keras_backend
+from .devices import canonical_devices, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
 
 __all__ = [
     # values and the environment
     "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
-    "is_dataset", "arrays_as_dataset", "split_batches", "unique_variables", "local_replica_devices", "check_devices_exist",
+    "is_dataset", "arrays_as_dataset", "split_batches", "unique_variables", "local_replica_devices",
+    "check_devices_exist", "canonical_devices", "keras_backend",
     # Keras / TensorFlow adapters
     "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
     "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",
     "set_log_summer", "tf_context_initialized", "configure_coordination", "make_chief_aware_backup",
     "parameter_server_strategy", "symbolic_build",
-    "flatten_metrics_in_order",
+    "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
+    "accumulate_across_replicas", "synchronize_batch_norm",
 ]
 
 

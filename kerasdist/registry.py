@@ -5,6 +5,7 @@ import importlib.util
 import inspect
 
 from .backend import keras_backend
+from .option_types import check_option_types
 from .errors import DuplicatePluginError, KerasdistError, PluginValidationError, UnknownPluginError, did_you_mean
 from .specs import OptimizationSpec, StrategySpec
 
@@ -77,6 +78,7 @@ class PluginEntry:
     def create(self, **options):
         self.check_options(options)
         spec = self.factory(**{**self.defaults, **options})
+        check_option_types(spec, self.name)
         object.__setattr__(spec, "_kerasdist_name", self.name)
         return spec
 

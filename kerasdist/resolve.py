@@ -1,9 +1,10 @@
 """Turns a ``distribute=`` value into a checked :class:`~kerasdist.specs.Plan`."""
 
-from .errors import KerasdistError, PluginUnavailableError, BackendError
+from .errors import BackendError, KerasdistError, PluginUnavailableError
 from .specs import Plan, PluginSpec, StrategyInstance
 
-ACCEPTED = ("a plugin name such as 'mirrored' (see `kerasdist plugins`), 'auto', a tf.distribute.Strategy, "
+ACCEPTED = ("a plugin name such as 'mirrored' (see `kerasdist plugins`), 'auto', a tf.distribute.Strategy "
+            "(or a keras.distribution.Distribution on JAX), "
             "a spec such as kerasdist.mirrored(devices=[...]), a list of these, or None")
 
 
@@ -41,9 +42,15 @@ def _named(name, system, cluster):
 
 
 def _is_tf_strategy(value):
-    import tensorflow as tf
+    """A tf.distribute.Strategy, or a keras.distribution.Distribution (JAX), passed as is."""
+    import sys
 
-    return isinstance(value, tf.distribute.Strategy)
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(value, tf.distribute.Strategy):
+        return True
+    # keras.distribution exports no base class: a Distribution is what has a mesh, layouts and a scope
+    return all(callable(getattr(value, name, None)) for name in ("get_data_layout", "get_variable_layout", "scope")) \
+        and hasattr(value, "device_mesh")
 
 
 def entry_for(spec, system):
@@ -61,5 +68,12 @@ def check_available(spec, system):
     reason = entry.unavailable_reason()
     if reason is None:
         return
-    error = BackendError if entry.backend_reason() else PluginUnavailableError
-    raise error(f"distribute={entry.name!r} cannot run here: {reason}.")
+    if entry.backend_reason():
+        from .backend import keras_backend
+
+        backend = keras_backend()
+        working = sorted(e.name for e in system.registry.entries.values()
+                         if e.kind == entry.kind and (not e.backends or backend in e.backends))
+        raise BackendError(f"distribute={entry.name!r} cannot run here: {reason}. The {entry.kind} plugins that "
+                           f"work on {backend!r}: {', '.join(working) or '(none)'}.")
+    raise PluginUnavailableError(f"distribute={entry.name!r} cannot run here: {reason}.")

@@ -1,6 +1,8 @@
 """What ``compile(distribute=...)`` does, and how fit/evaluate/predict then run."""
 
+import contextlib
 import inspect
+import sys
 import threading
 
 from . import _keras_internals as internals
@@ -17,10 +19,9 @@ _strategies_lock = threading.Lock()
 def strategy_for(spec, cluster, system):
     """The strategy for ``spec``, created once per process (collective ops allow no second set-up)."""
     if spec is None:
-        import tensorflow as tf
-
-        return tf.distribute.get_strategy()
+        return current_strategy()
     if isinstance(spec, StrategyInstance):
+        check_local_devices(spec.strategy)
         return spec.strategy
     key = spec_key(spec)
     with _strategies_lock:
@@ -32,6 +33,50 @@ def strategy_for(spec, cluster, system):
                     f"returned a strategy for {spec!r}.")
             _strategies[key] = strategy
         return _strategies[key]
+
+
+def is_tf_strategy(strategy):
+    """Whether ``strategy`` is a ``tf.distribute.Strategy`` (never imports TensorFlow)."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(strategy, tf.distribute.Strategy)
+
+
+class NoStrategy:
+    """What an optimization used alone runs under on a backend without tf.distribute: one device."""
+
+    num_replicas_in_sync = 1
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+
+def current_strategy():
+    """The strategy (TensorFlow) or distribution (JAX: the user's ``set_distribution``) in effect, or
+    :class:`NoStrategy`."""
+    from .backend import keras_backend
+
+    if keras_backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.distribute.get_strategy()
+    import keras
+
+    return keras.distribution.distribution() or NoStrategy()
+
+
+def check_local_devices(strategy):
+    """A user's own single-machine Strategy over devices this machine lacks hangs in ``fit``
+    (``MirroredStrategy(["/gpu:0", "/gpu:1"])`` without GPUs): refuse it at compile."""
+    if not is_tf_strategy(strategy):
+        return
+    import tensorflow as tf
+
+    local_kinds = (tf.distribute.MirroredStrategy, tf.distribute.OneDeviceStrategy,
+                   tf.distribute.experimental.CentralStorageStrategy)
+    if isinstance(strategy, local_kinds):
+        from .devices import check_devices_exist
+
+        check_devices_exist(list(strategy.extended.worker_devices), plugin=f"distribute={type(strategy).__name__}")
 
 
 class Session:
@@ -48,6 +93,7 @@ class Session:
         if any(m is model for m in getattr(_inside_keras, "models", ())):  # Keras's own nested call
             return original(model, *args, **kwargs)
         call_kwargs = _bind(original, model, args, kwargs)
+        _check_not_empty(method, call_kwargs.get("x"))
         call_kwargs["callbacks"] = _callback_list(call_kwargs.get("callbacks"))
         with self.strategy.scope():
             call_kwargs["x"] = self._prepare_dataset(call_kwargs.get("x"), method, model)
@@ -84,6 +130,21 @@ class Session:
         return value
 
 
+def _check_not_empty(method, x):
+    """An input with no example fails here, with its name, not deep inside a strategy's input pipeline."""
+    if _is_dataset(x):
+        if int(x.cardinality()) == 0:
+            raise KerasdistError(f"{method}: the tf.data.Dataset given as x is empty (0 batches); give a dataset "
+                                 "with at least one batch.")
+        return
+    first = x
+    while isinstance(first, (dict, list, tuple)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    shape = getattr(first, "shape", None)
+    if shape is not None and len(shape) > 0 and shape[0] == 0:
+        raise KerasdistError(f"{method}: x has 0 examples (shape {tuple(shape)}); give at least one example.")
+
+
 def _callback_list(callbacks):
     """The user's callbacks as a plain list (Keras also accepts a CallbackList)."""
     import keras
@@ -94,9 +155,9 @@ def _callback_list(callbacks):
 
 
 def _is_dataset(value):
-    import tensorflow as tf
+    from .plugin_tools import is_dataset
 
-    return isinstance(value, tf.data.Dataset)
+    return is_dataset(value)
 
 
 def _bind(function, model, args, kwargs):
@@ -118,13 +179,17 @@ def distributed_compile(model, original_compile, args, kwargs, distribute):
     cluster = system.detect_cluster()
     plan = resolve_plan(distribute, system, cluster)
     strategy = strategy_for(plan.strategy, cluster, system)
-    _check_not_bound_elsewhere(model, strategy, plan)
+    tf_strategy = is_tf_strategy(strategy)
+    if tf_strategy:
+        _check_not_bound_elsewhere(model, strategy, plan)
 
     compile_kwargs = _bind(original_compile, model, args, kwargs)
-    _check_keras_limits(strategy, compile_kwargs)
+    if tf_strategy:
+        _check_keras_limits(strategy, compile_kwargs)
     with strategy.scope():
         optimizer = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
-    internals.move_to_strategy(model, strategy, optimizer)
+    if tf_strategy:  # other backends' plugins place the variables in kerasdist_prepare_model
+        internals.move_to_strategy(model, strategy, optimizer)
     compile_kwargs["optimizer"] = optimizer
 
     session = Session(plan, strategy, cluster, system)

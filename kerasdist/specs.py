@@ -25,6 +25,12 @@ class StrategySpec(PluginSpec):
 
     kind = "strategy"
 
+    def identity(self):
+        """What makes two specs one strategy: kerasdist creates one strategy per identity and process.
+        Override to resolve defaults (``devices=None`` -> the local devices) so that specs that mean
+        the same strategy share it; the default is the spec itself (its class and ``repr``)."""
+        return self
+
 
 class OptimizationSpec(PluginSpec):
     """Base class of optimization plugin specs (any number per plan)."""
@@ -86,4 +92,5 @@ def spec_key(spec):
     """A hashable identity for a spec's options (strategies are cached per key)."""
     if isinstance(spec, StrategyInstance):
         return ("instance", id(spec.strategy))
-    return (type(spec).__module__, type(spec).__qualname__, spec.name, repr(spec))
+    identity = spec.identity() if isinstance(spec, StrategySpec) else spec
+    return (type(spec).__module__, type(spec).__qualname__, spec.name, repr(identity))

@@ -17,6 +17,12 @@ class CentralStorage(kerasdist.StrategySpec):
     compute_devices: Optional[Sequence[str]] = None
     parameter_device: Optional[str] = None
 
+    def identity(self):
+        """Equal when the devices are (the default devices resolved)."""
+        from kerasdist.plugin_tools import canonical_devices, local_replica_devices
+
+        return (canonical_devices(self.compute_devices or local_replica_devices()), self.parameter_device)
+
 
 @kerasdist.hookimpl
 def kerasdist_register_strategies(register):
@@ -37,3 +43,13 @@ def kerasdist_create_strategy(spec):
     check_devices_exist(devices + ([spec.parameter_device] if spec.parameter_device else []),
                         plugin="central_storage")
     return tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    """Uneven global batches and gradient accumulation train as on one device."""
+    if isinstance(spec, CentralStorage):
+        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
+
+        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
+        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)

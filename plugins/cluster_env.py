@@ -12,6 +12,7 @@ import shutil
 
 import kerasdist
 from kerasdist import ClusterConfigError, ClusterInfo
+from kerasdist.plugin_tools import split_address
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 SLURM_PORT_BASE_VAR = "KERASDIST_SLURM_PORT_BASE"
@@ -91,8 +92,9 @@ def validate(cluster, task_type, task_index, source):
     seen = {}
     for job, addresses in cluster.items():
         for index, address in enumerate(addresses):
-            if not isinstance(address, str) or ":" not in address:
+            if not isinstance(address, str):
                 raise ClusterConfigError(f"{source}: address {address!r} of {job} {index} is not 'host:port'.")
+            split_address(address, f"{source}: address of {job} {index}")
             if address in seen:
                 raise ClusterConfigError(
                     f"{source}: address {address} is listed twice (as {seen[address]} and {job} {index}); "

@@ -12,10 +12,22 @@ class Mirrored(kerasdist.StrategySpec):
 
     :param devices: device names such as ``["/gpu:0", "/gpu:1"]``.
     :param cross_device_ops: "auto", "nccl", "hierarchical_copy" or "reduce_to_one".
+    :param sync_batch_norm: BatchNormalization layers use the statistics of the whole global batch
+        (one all-reduce of mean and variance per layer and step), as on one device; off by default:
+        each replica then normalizes with its own share of the batch.
     """
 
     devices: Optional[Sequence[str]] = None
     cross_device_ops: str = "auto"
+    sync_batch_norm: bool = False
+
+    def identity(self):
+        """Equal when the devices are: ``"mirrored"`` and ``mirrored(devices=[every local device])``
+        share one strategy."""
+        from kerasdist.plugin_tools import canonical_devices, local_replica_devices
+
+        return (canonical_devices(self.devices or local_replica_devices()), self.cross_device_ops)
+
 
 
 _CROSS_DEVICE_OPS = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -39,7 +51,7 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.plugin_tools import check_devices_exist, local_replica_devices
+    from kerasdist.plugin_tools import canonical_devices, check_devices_exist, local_replica_devices
 
     if spec.cross_device_ops not in _CROSS_DEVICE_OPS:
         raise kerasdist.KerasdistError(
@@ -47,6 +59,12 @@ def kerasdist_create_strategy(spec):
             f"{', '.join(_CROSS_DEVICE_OPS)}.")
     devices = list(spec.devices) if spec.devices else local_replica_devices()
     check_devices_exist(devices, plugin="mirrored")
+    if len(canonical_devices(devices)) != len(devices):
+        raise kerasdist.KerasdistError(f"mirrored: devices={list(spec.devices)} names a device twice; list each "
+                                       "device once.")
+    if spec.cross_device_ops == "nccl" and not any("GPU" in name for name in canonical_devices(devices)):
+        raise kerasdist.KerasdistError(f"mirrored: cross_device_ops='nccl' needs GPUs, but the devices are "
+                                       f"{list(canonical_devices(devices))}; use 'auto' (or 'reduce_to_one').")
     ops = {
         "auto": None,
         "nccl": lambda: tf.distribute.NcclAllReduce(),
@@ -54,3 +72,17 @@ def kerasdist_create_strategy(spec):
         "reduce_to_one": lambda: tf.distribute.ReductionToOneDevice(),
     }[spec.cross_device_ops]
     return tf.distribute.MirroredStrategy(devices, cross_device_ops=ops() if ops else None)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    """Uneven global batches and gradient accumulation train as on one device."""
+    if isinstance(spec, Mirrored):
+        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
+
+        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
+        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            from kerasdist.plugin_tools import synchronize_batch_norm
+
+            synchronize_batch_norm(model)

@@ -11,8 +11,9 @@ process to Keras 2 on import):
   sparsity is exact). It runs in cross-replica context: each mask is computed once and written to
   every replica, which therefore stay identical.
 - The schedule math is TFMOT's ``PolynomialDecay`` / ``ConstantSparsity``, re-implemented here.
-- ``logs["sparsity"]`` (History, TensorBoard, progress bar) reports the pruned fraction per epoch;
-  :func:`sparsity` reports it per layer from the weights themselves.
+- ``logs["sparsity"]`` (History, TensorBoard, progress bar) reports the pruned fraction at the end
+  of each epoch, after any pruning step due then (``end_step`` included), so the last epoch's value
+  is the weights' own; :func:`sparsity` reports it per layer from the weights themselves.
 - :func:`strip` ends pruning for a model: the masks are applied a last time and the constraints
   removed, leaving a plain Keras model whose pruned weights are exactly zero.
 """
@@ -20,10 +21,13 @@ process to Keras 2 on import):
 import dataclasses
 import logging
 import math
+import numbers
+import warnings
 import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import kerasdist
+from kerasdist.plugin_tools import check_number
 
 log = logging.getLogger("kerasdist.prune")
 
@@ -61,8 +65,8 @@ class Prune(kerasdist.OptimizationSpec):
     layers: Optional[Union[Sequence[str], Callable]] = None
 
     def __post_init__(self):
-        _check_fraction("target_sparsity", self.target_sparsity)
-        _check_fraction("initial_sparsity", self.initial_sparsity)
+        self.target_sparsity = _check_fraction("target_sparsity", self.target_sparsity)
+        self.initial_sparsity = _check_fraction("initial_sparsity", self.initial_sparsity)
         if self.schedule not in SCHEDULES:
             raise kerasdist.KerasdistError(
                 f"prune: schedule={self.schedule!r} is not valid; choose 'polynomial' or 'constant'.")
@@ -70,22 +74,21 @@ class Prune(kerasdist.OptimizationSpec):
         _check_int("frequency", self.frequency, minimum=1)
         if self.end_step is not None:
             _check_int("end_step", self.end_step, minimum=self.begin_step + 1)
-        if not (isinstance(self.power, (int, float)) and self.power > 0):
-            raise kerasdist.KerasdistError(f"prune: power={self.power!r} is not valid; give a number > 0 (e.g. 3).")
+        self.power = check_number(self.power, "power", "prune", minimum=0, inclusive_minimum=False)
         if isinstance(self.layers, str):
             self.layers = [self.layers]
 
 
 def _check_fraction(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool) and 0.0 <= value < 1.0):
         raise kerasdist.KerasdistError(
             f"prune: {name}={value!r} is not valid; give a fraction in [0, 1), e.g. 0.75 for "
             "75% of each kernel's weights set to zero.")
+    return float(value)
 
 
 def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise kerasdist.KerasdistError(f"prune: {name}={value!r} is not valid; give a whole number >= {minimum}.")
+    return check_number(value, name, "prune", minimum=minimum, integer=True)
 
 
 # -- the schedule (TFMOT's math) ------------------------------------------------
@@ -248,6 +251,11 @@ class PruningState:
                 "prune: end_step=None means 'the end of this fit', but the input's size is unknown; "
                 "give prune(end_step=...) or fit(steps_per_epoch=...).")
         self.end_step = max(start_step + epochs * steps_per_epoch, self.spec.begin_step + 1)
+        if self.spec.schedule == "polynomial" and self.end_step - self.spec.begin_step <= self.spec.frequency:
+            warnings.warn(f"prune: frequency={self.spec.frequency} steps is not shorter than the pruning period "
+                          f"(steps {self.spec.begin_step}..{self.end_step}), so the masks change only at its start "
+                          "and end: the sparsity jumps to the target at the last step. Give a smaller frequency "
+                          "for gradual pruning.", stacklevel=2)
 
     def step_to(self, step):
         """Prune if the schedule has a pruning step in (last pruned step, ``step``]."""
@@ -288,6 +296,7 @@ def _make_callback(state, initial_epoch):
             state.step_to(self._step())
 
         def on_epoch_end(self, epoch, logs=None):
+            state.step_to(self._step())  # a pruning step due at the epoch's last step, end_step included
             if logs is not None:
                 logs["sparsity"] = state.mask_sparsity()
 

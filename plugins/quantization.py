@@ -49,8 +49,21 @@ def require(module, extra, purpose):
             f"pip install 'kerasdist[{extra}]'") from exc
 
 
-def check_exportable(model, format):
-    """Errors that would otherwise surface deep inside a converter."""
+def check_exportable(model, format, filepath=None, verify_with=None, representative_data=None):
+    """Errors that would otherwise surface deep inside a converter, or after the file was written."""
+    if filepath is not None:
+        folder = os.path.dirname(os.path.abspath(os.fspath(filepath)))
+        if not os.path.isdir(folder):
+            raise kerasdist.KerasdistError(f"export(format={format!r}): the folder {folder} does not exist; "
+                                           "create it first.")
+        if not os.access(folder, os.W_OK):
+            raise kerasdist.KerasdistError(f"export(format={format!r}): cannot write to {folder} (read-only); "
+                                           "choose a writable folder.")
+    if verify_with is not None:
+        _check_inputs_match(model, verify_with, f"export(format={format!r}, verify_with=...)")
+    if representative_data is not None:
+        _check_inputs_match(model, _first_sample(representative_data),
+                            f"export(format={format!r}, representative_data=...)")
     if not model.built:
         raise kerasdist.KerasdistError(
             f"export(format={format!r}): model {model.name!r} is not built; call it on data, give it a "
@@ -62,6 +75,35 @@ def check_exportable(model, format):
             f"export(format={format!r}): layers {quantized} were quantized with model.quantize(); "
             "converters cannot read Keras-quantized kernels. Export the float model: the format "
             "quantizes it.")
+
+
+def _first_sample(representative_data):
+    """The data as given (arrays), or its first element (a generator function or a tf.data.Dataset)."""
+    if callable(representative_data):
+        return next(iter(representative_data()), [])
+    if hasattr(representative_data, "element_spec"):
+        element = next(iter(representative_data.take(1)), [])
+        return element[0] if isinstance(element, tuple) else element
+    return representative_data
+
+
+def _check_inputs_match(model, value, what):
+    """Arrays that are empty or do not fit the model's inputs are refused before converting."""
+    import keras
+    import numpy as np
+
+    arrays = [np.asarray(a) for a in keras.tree.flatten(value)]
+    if not arrays or any(a.ndim == 0 or len(a) == 0 for a in arrays):
+        raise kerasdist.KerasdistError(f"{what}: no examples given (empty input); give at least one example "
+                                       "with the model's input shape.")
+    expected = [tuple(t.shape)[1:] for t in getattr(model, "inputs", None) or []]
+    if expected and (len(expected) != len(arrays) or any(
+            len(e) != a.ndim - 1 or any(d is not None and d != s for d, s in zip(e, a.shape[1:]))
+            for e, a in zip(expected, arrays))):
+        got = [tuple(a.shape) for a in arrays]
+        raise kerasdist.KerasdistError(f"{what}: shape {got if len(got) > 1 else got[0]} does not fit the model's "
+                                       f"input {expected if len(expected) > 1 else expected[0]} (batch first); give "
+                                       "arrays of the model's input shape.")
 
 
 def _all_layers(model):
@@ -162,7 +204,7 @@ def export_litert(model, filepath, *, mode, representative_data=None, calibratio
                   int8_io=False, verify_with=None):
     """Convert ``model`` to a LiteRT flatbuffer at ``filepath``; see the module docstring."""
     format = next(name for name, m in LITERT_FORMATS.items() if m == mode)
-    check_exportable(model, format)
+    check_exportable(model, format, filepath, verify_with, representative_data)
     if mode == "int8" and representative_data is None:
         raise kerasdist.KerasdistError(
             "export(format='litert-int8') needs representative_data=: about 100 typical inputs (an array, "

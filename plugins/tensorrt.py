@@ -56,7 +56,7 @@ def _finish(model, path, format, verify_with):
 
 def export_onnx(model, filepath, *, opset_version=None, verify_with=None):
     """Float ONNX; ``verify_with`` compares onnxruntime with Keras."""
-    check_exportable(model, "onnx")
+    check_exportable(model, "onnx", filepath, verify_with)
     if verify_with is not None:
         require("onnxruntime", "onnx", "export(format='onnx', verify_with=...)")
     return _finish(model, write_onnx(model, filepath, opset_version), "onnx", verify_with)
@@ -98,7 +98,7 @@ def _need_data(format, representative_data):
 def export_onnx_int8(model, filepath, *, representative_data=None, calibration_steps=100, per_channel=True,
                      opset_version=None, verify_with=None):
     """QDQ int8 ONNX; ``verify_with`` compares onnxruntime with Keras."""
-    check_exportable(model, "onnx-int8")
+    check_exportable(model, "onnx-int8", filepath, verify_with, representative_data)
     _need_data("onnx-int8", representative_data)
     with tempfile.TemporaryDirectory() as tmp:
         float_path = write_onnx(model, os.path.join(tmp, "float.onnx"), opset_version)
@@ -166,7 +166,7 @@ def build_engine(onnx_path, precision, min_batch=1, opt_batch=8, max_batch=64, w
 def export_tensorrt(model, filepath, *, precision="fp16", representative_data=None, calibration_steps=100,
                     min_batch=1, opt_batch=8, max_batch=64, workspace_bytes=None, opset_version=None):
     """A serialized TensorRT engine for this machine's GPU; see the module docstring."""
-    check_exportable(model, "tensorrt")
+    check_exportable(model, "tensorrt", filepath, None, representative_data)
     if precision not in PRECISIONS:
         raise kerasdist.KerasdistError(
             f"export(format='tensorrt'): precision={precision!r} is not valid; choose one of {', '.join(PRECISIONS)}.")

@@ -180,3 +180,27 @@ def test_shard_policy_is_set_on_datasets(policy, expected):
     assert out.options().experimental_distribute.auto_shard_policy == getattr(
         tf.data.experimental.AutoShardPolicy, expected)
     assert multiworker.kerasdist_prepare_dataset(dataset, kerasdist.multiworker()) is None
+
+
+@pytest.mark.parametrize("environ,chief", [
+    ({}, True),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                               "task": {"type": "worker", "index": 0}})}, True),
+    ({"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                               "task": {"type": "worker", "index": 1}})}, False),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"]},
+                               "task": {"type": "chief", "index": 0}})}, True),
+    ({"TF_CONFIG": json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
+                               "task": {"type": "worker", "index": 0}})}, False),
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, True),
+    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"}, False),
+], ids=["local", "worker-0", "worker-1", "ps-coordinator", "worker-0-with-a-chief", "hvd-rank-0", "hvd-rank-1"])
+def test_is_chief_names_the_one_writer(environ, chief):
+    from kerasdist.manager import PluginSystem, get_system, reset_system
+
+    previous = get_system()
+    reset_system(PluginSystem(environ=environ))
+    try:
+        assert kerasdist.is_chief() is chief
+    finally:
+        reset_system(previous)

@@ -157,12 +157,12 @@ def test_hook_kerasdist_auto_strategy(recorder, fresh_system):
 
 
 def test_hook_kerasdist_create_strategy(recorder):
-    spec = kerasdist.mirrored(devices=["/cpu:1", "/cpu:0"])  # a spec no other test created
+    spec = kerasdist.mirrored(devices=["/cpu:1"])  # a strategy no other test created
     model = _compiled(recorder, distribute=[spec])
     created = recorder.called("kerasdist_create_strategy")
     assert len(created) == 1 and created[0]["spec"] == spec
     assert created[0]["strategy"] is model.distribute_strategy
-    again = _compiled(recorder, distribute=[kerasdist.mirrored(devices=["/cpu:1", "/cpu:0"])])
+    again = _compiled(recorder, distribute=[kerasdist.mirrored(devices=["/device:CPU:1"])])  # the same device
     assert len(recorder.called("kerasdist_create_strategy")) == 1  # once per distinct spec per process
     assert again.distribute_strategy is model.distribute_strategy
 
@@ -285,3 +285,23 @@ def test_hook_kerasdist_launch_environment(fresh_system):
     colors = [env["COLOR"] for env in environs]
     assert colors[0].startswith("red-0-of-2@127.0.0.1:") and colors[1].startswith("red-1-of-2@127.0.0.1:")
     assert all("KERASDIST_CLUSTER" not in env and env["PATH"] == "/bin" for env in environs)
+
+
+def test_hook_kerasdist_listeners(fresh_system, capsys, monkeypatch):
+    from kerasdist import cli
+
+    class Listens:
+        @kerasdist.hookimpl
+        def kerasdist_listeners(self, cluster):
+            return [{"what": f"a test server of {cluster.source}", "address": "127.0.0.1:9", "interfaces": "the address's"}]
+
+    class Silent:
+        @kerasdist.hookimpl
+        def kerasdist_listeners(self, cluster):
+            return None
+
+    fresh_system.add_plugin(Listens(), name="listens")
+    fresh_system.add_plugin(Silent(), name="silent")
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "listens:\n  127.0.0.1:9  (the address's interfaces)  a test server of local" in out

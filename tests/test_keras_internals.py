@@ -246,3 +246,28 @@ def test_log_summer_replaces_the_per_log_reduce_for_float_scalars():
     finally:
         internals.set_log_summer(strategy, 0, None)
     assert id(strategy) not in internals._log_summers
+
+
+def test_fit_still_builds_through_maybe_symbolic_build_and_scales_the_loss_with_the_optimizer():
+    """weight_replicas_by_batch_share replaces Trainer._maybe_symbolic_build and relies on train_step
+    calling compute_loss, then optimizer.scale_loss (Keras 3.15)."""
+    import inspect
+
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    assert "self._maybe_symbolic_build(iterator=epoch_iterator)" in inspect.getsource(tf_trainer.TensorFlowTrainer.fit)
+    step = inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
+    assert step.index("self._compute_loss(") < step.index("self._loss_tracker.update_state(") \
+        < step.index("self.optimizer.scale_loss(loss)")
+
+
+def test_batch_norm_can_be_synchronized_after_construction():
+    """synchronize_batch_norm walks Layer._flatten_layers and sets BatchNormalization.synchronized (Keras 3.15)."""
+    import keras
+
+    from kerasdist import _keras_internals as internals
+
+    inner = keras.Sequential([keras.layers.BatchNormalization()])
+    model = keras.Sequential([keras.Input((3,)), inner, keras.layers.BatchNormalization()])
+    assert internals.synchronize_batch_norm(model) == 2
+    assert all(layer.synchronized for layer in model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization))

@@ -60,7 +60,8 @@ def test_each_worker_gets_a_loopback_tf_config_that_resolves():
 
 def test_grace_above_the_limit_is_refused():
     with pytest.raises(KerasdistError, match="--grace 60"):
-        launch.check_arguments(argparse.Namespace(nproc=2, script=[CHILD], module=False, grace=60))
+        launch.check_arguments(argparse.Namespace(nproc=2, script=[CHILD], module=False, grace=60, port_base=0,
+                                                  host="127.0.0.1"))
 
 
 @pytest.mark.slow
@@ -110,3 +111,15 @@ def test_sigterm_is_forwarded_to_every_worker(tmp_path):
         kill_group(proc)
     assert code == 143
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("term")) == ["term-0", "term-1"]
+
+
+def test_launch_help_and_env_say_what_listens_where(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    assert "listen on EVERY interface" in capsys.readouterr().out.replace("\n", " ")
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]},
+                                                "task": {"type": "worker", "index": 1}}))
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "  *:2223  (all interfaces)  multiworker: TensorFlow's gRPC server" in out
+    assert "  127.0.0.1:<free port>  (the address's interfaces)  multiworker: kerasdist's TCP ring" in out

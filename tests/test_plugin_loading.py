@@ -229,7 +229,8 @@ def test_user_facing_forms_check_options_too(tmp_path):
 def test_plugins_verbose_shows_options_defaults_aliases_and_backends():
     out = run(python("-m", "kerasdist.cli", "plugins", "-v"), timeout=120).stdout
     section = out[out.index("\nmirrored "):]
-    assert "aliases: mirror" in section and "backends: tensorflow" in section
+    assert "aliases: mirror" in section and section.split("\n")[1].split()[3] == "tensorflow"
+    assert "tensorflow,jax" in out[out.index("\ndata_parallel "):].split("\n")[1]
     assert "options: devices=None, cross_device_ops='auto'" in section
 
 

@@ -1,5 +1,7 @@
 """distribute=[..., "prune"]: TFMOT's schedule math, exact top-k masks, identical replicas, strip, errors."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -94,7 +96,8 @@ def test_mirrored_pruning_equals_single_device_pruning():
     for layer in mirrored.layers:
         assert int(np.sum(layer.kernel.numpy() == 0)) == 0.75 * np.prod(layer.kernel.shape)
     assert mirrored_history.history["sparsity"] == single_history.history["sparsity"]
-    assert mirrored_history.history["sparsity"][0] == 0.0  # step 0 prunes to initial_sparsity 0
+    # epoch 0 ends at step 4, a pruning step: 0.75 - 0.75 * (1 - 4/12)**3 = 0.528, rounded per kernel
+    assert mirrored_history.history["sparsity"][0] == pytest.approx(0.528, abs=1e-3)
     assert mirrored_history.history["sparsity"][-1] == 0.75
 
 
@@ -176,3 +179,24 @@ def test_steps_per_execution_still_reaches_the_exact_target():
     assert pruning.state_of(model).last_pruned_step == 14
     for layer in model.layers:
         assert int(np.sum(layer.kernel.numpy() == 0)) == round(0.6 * np.prod(layer.kernel.shape))
+
+
+def _weight_sparsity(model):
+    kernels = [layer.kernel.numpy() for layer in pruning.state_of(model).layers]
+    return sum(int(np.sum(k == 0)) for k in kernels) / sum(k.size for k in kernels)
+
+
+@pytest.mark.parametrize("frequency,epochs", [(100, 20), (100, 3)], ids=["default-frequency", "shorter-than-one-period"])
+def test_logged_sparsity_at_the_last_epoch_is_the_weights_own(frequency, epochs):
+    x, y = _data(64)
+    model = _dense_model()
+    model.compile(loss="mse", optimizer="sgd",
+                  distribute=kerasdist.prune(target_sparsity=0.75, frequency=frequency))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=8, epochs=epochs, verbose=0)  # 8 steps an epoch
+    logged = history.history["sparsity"]
+    assert logged[-1] == _weight_sparsity(model) == 0.75, logged
+    assert logged == sorted(logged)
+    short = [w for w in caught if "frequency=100" in str(w.message)]
+    assert bool(short) == (epochs * 8 <= frequency)

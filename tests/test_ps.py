@@ -17,6 +17,7 @@ import tensorflow as tf
 import kerasdist
 import kerasdist_plugins.ps as ps_plugin
 from kerasdist_plugins.ps import data as ps_data
+from kerasdist_plugins.ps import server as ps_server
 from tests.helpers import PYTHON, ROOT, child_env, free_port, kill_group, run
 
 SERVER = os.path.join(ROOT, "tests", "workers", "ps_server.py")
@@ -193,11 +194,18 @@ def test_two_workers_from_tf_config_converge_and_both_run_steps(tmp_path):
             for index in range(len(cluster[job])):
                 logs[job, index] = tmp_path / f"{job}{index}.log"
                 servers.append(_start([PYTHON, "-m", "kerasdist_plugins.ps"],
-                                      child_env(TF_CONFIG=tf_config(job, index)), logs[job, index]))
+                                      child_env(TF_CONFIG=tf_config(job, index), KERASDIST_PS_EXIT_GRACE=3),
+                                      logs[job, index]))
         out = tmp_path / "async.json"
         run([PYTHON, TRAIN, "async", str(out)], timeout=240, env=child_env(TF_CONFIG=tf_config("chief", 0)))
+        finished = time.monotonic()
+        codes = [proc.wait(timeout=30) for proc in servers]  # they exit by themselves
+        exit_seconds = time.monotonic() - finished
     finally:
         _stop(servers)
+    print(json.dumps({"server_exit_codes": codes, "servers_gone_after_s": round(exit_seconds, 1)}))
+    assert codes == [0, 0, 0] and 3 <= exit_seconds < 3 + 15
+    assert all("has been gone for 3 s" in log.read_text() for log in logs.values())
     result = json.loads(out.read_text())
     steps = [logs["worker", i].read_text().count("kerasdist-test-step") for i in range(2)]
     losses = result["history"]["loss"]
@@ -209,3 +217,60 @@ def test_two_workers_from_tf_config_converge_and_both_run_steps(tmp_path):
     assert sum(steps) == 6 * 25 and min(steps) > 0, steps  # every scheduled step ran, on both workers
     assert result["final_loss"] < 0.1 * result["initial_loss"]
     assert len(losses) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_servers_exit_by_themselves_when_the_coordinator_is_killed(tmp_path):
+    cluster = {"chief": _addresses(1), "worker": _addresses(1), "ps": _addresses(1)}
+
+    def tf_config(job):
+        return json.dumps({"cluster": cluster, "task": {"type": job, "index": 0}})
+
+    servers = [_start([PYTHON, "-m", "kerasdist_plugins.ps"], child_env(TF_CONFIG=tf_config(job),
+                                                                       KERASDIST_PS_EXIT_GRACE=2),
+                      tmp_path / f"{job}.log") for job in ("ps", "worker")]
+    coordinator = subprocess.Popen([PYTHON, TRAIN, "hold", str(tmp_path / "unused.json")], cwd=ROOT,
+                                   env=child_env(TF_CONFIG=tf_config("chief")), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in coordinator.stdout:
+            if "kerasdist-test-coordinator-ready" in line:
+                break
+        deadline = time.monotonic() + 30
+        while not all("the coordinator at" in (tmp_path / f"{job}.log").read_text() for job in ("ps", "worker")):
+            assert time.monotonic() < deadline, "the servers never saw the coordinator"
+            time.sleep(0.2)
+        assert all(proc.poll() is None for proc in servers)  # serving while the coordinator lives
+        kill_group(coordinator)
+        killed = time.monotonic()
+        codes = [proc.wait(timeout=60) for proc in servers]
+        seconds = time.monotonic() - killed
+    finally:
+        kill_group(coordinator)
+        _stop(servers)
+    print(json.dumps({"server_exit_codes": codes, "servers_gone_after_s": round(seconds, 1)}))
+    assert codes == [0, 0] and 2 <= seconds < 2 + 15
+
+
+@pytest.mark.parametrize("argv,environ,words", [
+    (["--exit-grace", "nan"], {}, ["--exit-grace=nan", ">= 0"]),
+    (["--exit-grace", "soon"], {}, ["--exit-grace='soon'"]),
+    ([], {"KERASDIST_PS_EXIT_GRACE": "-1"}, ["KERASDIST_PS_EXIT_GRACE='-1'", ">= 0"]),
+    (["--coordinator", "nohost"], {}, ["'nohost'", "host:port"]),
+], ids=["nan", "word", "negative-env", "bad-coordinator"])
+def test_bad_exit_options_are_named(argv, environ, words, monkeypatch, capsys):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    start = time.monotonic()
+    assert ps_server.main(argv) == 2
+    err = capsys.readouterr().err
+    assert all(word in err for word in words), err
+    assert time.monotonic() - start < 5
+
+
+def test_exit_grace_never_and_defaults():
+    assert ps_server.exit_grace_of("never", {}) is None
+    assert ps_server.exit_grace_of(None, {"KERASDIST_PS_EXIT_GRACE": "never"}) is None
+    assert ps_server.exit_grace_of(None, {}) == ps_server.DEFAULT_EXIT_GRACE
+    assert ps_server.exit_grace_of("2.5", {}) == 2.5

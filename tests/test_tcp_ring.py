@@ -111,6 +111,80 @@ def test_strangers_connecting_to_a_ring_port_are_turned_away():
         stranger.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_stranger_with_the_right_hello_but_no_secret_is_refused_at_once():
+    """The stranger speaks first, with a well-formed hello for rank 0 (but a proof made without the secret);
+    the job's own ranks still form the ring, with no wait for the stranger."""
+    import socket
+    import threading
+    import time
+
+    from kerasdist_plugins.multiworker import ring as tcp_ring
+
+    secret = b"the job's secret"
+    listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [address for _, address in listeners]
+    strangers = []
+    for rank, address in enumerate(addresses):
+        host, port = address.rsplit(":", 1)
+        hello = tcp_ring._HELLO.pack(tcp_ring._MAGIC, (rank - 1) % 2, 2,
+                                     tcp_ring._proof(b"a guess", (rank - 1) % 2, 2, address))
+        strangers.append(socket.create_connection((host, int(port))))
+        strangers[-1].sendall(hello)
+        strangers.append(socket.create_connection((host, int(port))))  # and one that says nothing
+    rings, start = [None, None], time.monotonic()
+
+    def join(rank):
+        rings[rank] = tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, connect_timeout=20, secret=secret)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    formed = time.monotonic() - start
+    print(f"ring formed in {formed:.3f} s with a secret-less stranger and a silent one at each port")
+    assert all(rings) and formed < 1.0, formed
+    for stranger in strangers[::2]:  # the one that knew the words but not the secret was closed at once
+        stranger.settimeout(2)
+        assert stranger.recv(1) == b""
+    results = [None, None]
+    sums = [threading.Thread(target=lambda r: results.__setitem__(r, rings[r].all_reduce(np.full(3, r + 1.0))),
+                             args=(r,)) for r in range(2)]
+    for thread in sums:
+        thread.start()
+    for thread in sums:
+        thread.join(30)
+    assert [list(r) for r in results] == [[3.0] * 3, [3.0] * 3]
+    for r in rings:
+        r.close()
+    for stranger in strangers:
+        stranger.close()
+
+
+def test_ranks_with_different_secrets_do_not_form_a_ring():
+    import threading
+
+    from kerasdist_plugins.multiworker import ring as tcp_ring
+
+    listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [address for _, address in listeners]
+    errors = [None, None]
+
+    def join(rank):
+        try:
+            tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, connect_timeout=2, secret=b"s%d" % rank)
+        except tcp_ring.RingError as exc:
+            errors[rank] = str(exc)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert all(e and "did not connect to the ring in time" in e for e in errors), errors
+
+
 def _in_threads(function, size=2):
     import threading
 

@@ -26,7 +26,7 @@ def train_loop_per_worker(config):
     model.compile(optimizer="sgd", loss="binary_crossentropy", metrics=["accuracy"],
                   distribute="multiworker")
     model.fit(x, y, batch_size=config["batch_size"], epochs=config["epochs"],
-              verbose=2 if kerasdist.detect_cluster().is_chief else 0)
+              verbose=2 if kerasdist.is_chief() else 0)
 
 
 def main():

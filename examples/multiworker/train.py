@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--examples", type=int, default=1024)
     parser.add_argument("--save-weights", default="", help="directory for weights-<task>.npz (tests)")
     parser.add_argument("--checkpoint", default="", help="ModelCheckpoint path (written by the chief only)")
+    parser.add_argument("--save", default="", help="path of the trained model (.keras), written by the chief")
     args = parser.parse_args()
 
     keras.utils.set_random_seed(42)
@@ -48,7 +49,9 @@ def main():
         os.makedirs(args.save_weights, exist_ok=True)
         np.savez(os.path.join(args.save_weights, f"weights-{cluster.task_index}.npz"), *model.get_weights())
     loss, accuracy = model.evaluate(x, y, batch_size=args.batch_size, verbose=0)  # every worker takes part
-    if cluster.is_chief:
+    if kerasdist.is_chief():  # one writer: every worker holds the same weights
+        if args.save:
+            model.save(args.save)
         print(f"final loss {loss:.4f} accuracy {accuracy:.4f} on {cluster.num_workers} worker(s)")
 
 

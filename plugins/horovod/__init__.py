@@ -26,6 +26,7 @@ import sys
 import warnings
 
 import kerasdist
+from kerasdist.plugin_tools import keras_backend
 
 from .cluster import detect
 from .options import (BUILD_COMMAND, CPU_DEFAULTS, HOROVOD_VERSION, Horovod, check_options, check_runtime,
@@ -73,9 +74,18 @@ def kerasdist_auto_strategy(cluster):
 
 
 @kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if cluster.source != "horovod":
+        return None
+    return [{"what": "horovod: Gloo all-reduce ports and horovodrun's rendezvous server, chosen by horovodrun "
+                     "(--network-interfaces limits the interfaces; no authentication)",
+             "address": "<ports chosen by horovodrun>", "interfaces": "--network-interfaces'"}]
+
+
+@kerasdist.hookimpl
 def kerasdist_process_start(cluster, environ):
     """Under horovodrun: Horovod's CPU defaults, one GPU per local rank, ``hvd.init()``."""
-    if cluster.source != "horovod":
+    if cluster.source != "horovod" or keras_backend() != "tensorflow":
         return
     for name, value in CPU_DEFAULTS.items():
         environ.setdefault(name, value)

@@ -12,7 +12,7 @@ import os
 
 import kerasdist
 from kerasdist import ClusterConfigError
-from kerasdist.plugin_tools import number_from_env
+from kerasdist.plugin_tools import keras_backend, number_from_env
 
 from .gradients import gradient_transport, use_ring
 from .join import TooLate, check_port_free, join_cluster, state
@@ -49,7 +49,7 @@ def kerasdist_auto_strategy(cluster):
 
 @kerasdist.hookimpl
 def kerasdist_process_start(cluster, environ):
-    if not is_worker_cluster(cluster):
+    if not is_worker_cluster(cluster) or keras_backend() != "tensorflow":
         return
     options = CollectiveOptions.from_env(environ)
     join_timeout = number_from_env(environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT)
@@ -58,6 +58,18 @@ def kerasdist_process_start(cluster, environ):
         state.strategy = join_cluster(cluster, options, join_timeout)
     except TooLate as exc:
         state.error = exc
+
+
+@kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if not is_worker_cluster(cluster) or keras_backend() != "tensorflow":
+        return None
+    address = cluster.cluster[cluster.task_type][cluster.task_index]
+    host = address.rsplit(":", 1)[0]
+    return [{"what": "multiworker: TensorFlow's gRPC server (collectives, coordination); no authentication",
+             "address": address.replace(host, "*", 1), "interfaces": "all"},
+            {"what": "multiworker: kerasdist's TCP ring for gradients (a free port, job secret checked)",
+             "address": f"{host}:<free port>", "interfaces": "the address's"}]
 
 
 # -- kerasdist launch ---------------------------------------------------------------
@@ -119,6 +131,17 @@ def kerasdist_create_strategy(spec, cluster):
     return state.strategy
 
 
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
+    if isinstance(spec, MultiWorker):
+        from kerasdist.plugin_tools import accumulate_across_replicas, synchronize_batch_norm
+
+        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            synchronize_batch_norm(model)
+
+
 # -- fit / evaluate / predict --------------------------------------------------------
 
 @kerasdist.hookimpl
@@ -139,7 +162,7 @@ def kerasdist_prepare_dataset(dataset, spec):
 def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if not isinstance(spec, MultiWorker):
         return
-    from . import workers
+    from . import backup, workers
 
     if method in ("fit", "evaluate"):
         use_ring(model, strategy, method)
@@ -148,7 +171,7 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         index = workers.count_fit()
         workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
         if spec.backup:
-            workers.add_backup(call_kwargs, workers.backup_dir(spec, strategy, index), chief)
+            backup.add_backup(call_kwargs, spec, model, strategy, index, chief, workers.scratch_dir())
     if not chief:
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0

@@ -1,5 +1,7 @@
 """Gradients and logs over kerasdist's TCP ring, when every worker agrees to use it."""
 
+import hashlib
+import secrets
 import sys
 
 from kerasdist import ClusterConfigError
@@ -54,9 +56,11 @@ def agree_on_ring(strategy, cluster, options):
             listener, offer = tcp_ring.listen(host)
         except OSError as exc:
             offer = f"?cannot listen on {host}: {exc}"
-    offers, rank = _all_gather_text(strategy, f"{options.communication}|{offer}")
-    settings = [text.split("|", 1)[0] for text in offers]
-    offers = [text.split("|", 1)[1] for text in offers]
+    token = secrets.token_hex(16)  # this worker's share of the job's ring secret
+    offers, rank = _all_gather_text(strategy, f"{token}|{options.communication}|{offer}")
+    secret = hashlib.sha256("".join(text.split("|", 1)[0] for text in offers).encode()).digest()
+    settings = [text.split("|", 2)[1] for text in offers]
+    offers = [text.split("|", 2)[2] for text in offers]
     ring = None
     if _refusals(offers):
         if listener is not None:
@@ -65,7 +69,7 @@ def agree_on_ring(strategy, cluster, options):
         outcome = "ok"
         try:
             ring = tcp_ring.TcpRing.connect(listener, offers, rank, timeout=options.timeout_seconds,
-                                            connect_timeout=RING_CONNECT_TIMEOUT)
+                                            connect_timeout=RING_CONNECT_TIMEOUT, secret=secret)
         except (OSError, tcp_ring.RingError) as exc:
             outcome = f"?cannot connect the ring: {exc}"
         offers, _ = _all_gather_text(strategy, outcome)

@@ -44,6 +44,8 @@ class MultiWorker(kerasdist.StrategySpec):
         ``$KERASDIST_BACKUP_DIR`` or a directory under the system temp dir named
         after the script.
     :param shuffle_seed: seed shared by all workers when fit shuffles numpy inputs.
+    :param sync_batch_norm: BatchNormalization statistics over the whole global batch (one
+        all-reduce over TensorFlow's collectives per layer and step); off by default.
     """
 
     communication: Optional[str] = None
@@ -52,6 +54,7 @@ class MultiWorker(kerasdist.StrategySpec):
     shard_policy: str = "auto"
     backup: bool = True
     backup_dir: Optional[str] = None
+    sync_batch_norm: bool = False
     shuffle_seed: int = 1337
 
 

@@ -6,6 +6,8 @@ cost CPU time that the workers' compute then lacks (measured in docs/benchmarks.
 is summed by one worker and then copied to the others, so all workers end with the same bits.
 """
 
+import hashlib
+import hmac
 import select
 import socket
 import struct
@@ -17,9 +19,10 @@ import numpy as np
 from kerasdist import KerasdistError
 from kerasdist.plugin_tools import split_address
 
-_MAGIC = b"kerasdist-ring/1"
-_HELLO = struct.Struct("!16sII")  # magic, rank, size
+_MAGIC = b"kerasdist-ring/2"
+_HELLO = struct.Struct("!16sII32s")  # magic, rank, size, proof: HMAC-SHA256(job secret, the rest)
 _HEADER = struct.Struct("!QQ")  # message number, payload bytes
+_PUBLIC_PART = _HELLO.size - 32  # magic, rank, size
 _HELLO_TIMEOUT = 2.0
 _KEEPALIVE = {"TCP_KEEPIDLE": 10, "TCP_KEEPINTVL": 5, "TCP_KEEPCNT": 3}
 
@@ -52,20 +55,23 @@ class TcpRing:
         self._broken = None
 
     @classmethod
-    def connect(cls, listener, addresses, rank, timeout=None, connect_timeout=60.0):
+    def connect(cls, listener, addresses, rank, timeout=None, connect_timeout=60.0, secret=b""):
         """Connect to the next rank, accept the previous one and close ``listener``.
 
         :param timeout: seconds an all-reduce may wait without progress (None: no limit).
+        :param secret: the job's secret; the hello each rank sends proves it knows it, so a stranger
+            that reaches a ring port is turned away at once, whatever it sends.
         """
         size = len(addresses)
         try:
             if size == 1:
                 return cls(rank, size, timeout=timeout)
             deadline = time.monotonic() + connect_timeout
-            right = _connect(addresses[(rank + 1) % size], deadline)
+            right_address = addresses[(rank + 1) % size]
+            right = _connect(right_address, deadline)
             try:
-                right.sendall(_HELLO.pack(_MAGIC, rank, size))
-                left = _accept(listener, (rank - 1) % size, size, deadline)
+                right.sendall(_HELLO.pack(_MAGIC, rank, size, _proof(secret, rank, size, right_address)))
+                left = _accept(listener, (rank - 1) % size, size, deadline, secret, addresses[rank])
             except BaseException:
                 right.close()
                 raise
@@ -210,22 +216,61 @@ def _connect(address, deadline):
             time.sleep(0.05)
 
 
-def _accept(listener, expected_rank, size, deadline):
-    while True:
-        listener.settimeout(max(deadline - time.monotonic(), 0.001))
-        try:
-            sock, _ = listener.accept()
-        except socket.timeout:
-            raise RingError(f"rank {expected_rank} did not connect to the ring in time "
-                            "(is a firewall in the way?)") from None
-        sock.settimeout(min(_HELLO_TIMEOUT, max(deadline - time.monotonic(), 0.001)))  # peers say hello at once
-        try:
-            magic, rank, their_size = _HELLO.unpack(_receive_exactly(sock, _HELLO.size))
-        except (OSError, RingError):
-            magic = None  # not one of ours
-        if magic == _MAGIC and (rank, their_size) == (expected_rank, size):
-            return sock
-        sock.close()
+def _proof(secret, rank, size, address):
+    """What a hello carries: only a process that knows the job's secret can compute it."""
+    message = b"%s|%d|%d|%s" % (_MAGIC, rank, size, address.encode())
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def _accept(listener, expected_rank, size, deadline, secret, own_address):
+    """The previous rank's connection. Every other connection (junk, silence, a hello without the
+    secret) is closed as soon as it shows what it is, or after 2 s of silence, while the wait goes on."""
+    expected = _HELLO.pack(_MAGIC, expected_rank, size, _proof(secret, expected_rank, size, own_address))
+    pending = {}  # socket -> (bytes so far, give-up time)
+    listener.setblocking(False)
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise RingError(f"rank {expected_rank} did not connect to the ring in time "
+                                "(is a firewall in the way?)")
+            for sock, (_, give_up) in list(pending.items()):
+                if now >= give_up:
+                    pending.pop(sock)
+                    sock.close()  # silent for too long
+            readable, _, _ = select.select([listener, *pending], [], [], min(0.2, deadline - now))
+            for sock in readable:
+                if sock is listener:
+                    try:
+                        accepted, _ = listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    accepted.setblocking(False)
+                    pending[accepted] = (b"", time.monotonic() + _HELLO_TIMEOUT)
+                    continue
+                data, give_up = pending[sock]
+                try:
+                    chunk = sock.recv(_HELLO.size - len(data))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    chunk = b""
+                data += chunk
+                public = min(len(data), _PUBLIC_PART)  # the proof is compared only whole, in constant time
+                if not chunk or data[:public] != expected[:public]:
+                    pending.pop(sock)
+                    sock.close()  # hung up, or not the hello of the expected rank
+                elif len(data) == _HELLO.size:
+                    pending.pop(sock)
+                    if hmac.compare_digest(data, expected):
+                        sock.setblocking(True)
+                        return sock
+                    sock.close()  # the right words without the job's secret
+                else:
+                    pending[sock] = (data, give_up)
+    finally:
+        for sock in pending:
+            sock.close()
 
 
 def _receive_exactly(sock, count):

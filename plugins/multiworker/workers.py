@@ -1,18 +1,16 @@
-"""Worker-side behaviour: chief-only writes, the BackupAndRestore backup, and numpy input that every
-worker shuffles alike."""
+"""Worker-side behaviour: chief-only writes, a scratch folder, and numpy input that every worker shuffles
+alike (the backup is in backup.py)."""
 
 import atexit
-import hashlib
 import os
 import shutil
-import sys
 import tempfile
 
 import keras
 
-from kerasdist.plugin_tools import arrays_as_dataset, make_chief_aware_backup
+from kerasdist.plugin_tools import arrays_as_dataset
 
-from .options import BACKUP_DIR_VAR, SCRATCH_DIR_VAR
+from .options import SCRATCH_DIR_VAR
 
 
 _fits = [0]
@@ -22,46 +20,6 @@ def count_fit():
     """The index of this fit call in this process (the same on every worker)."""
     _fits[0] += 1
     return _fits[0] - 1
-
-
-def backup_dir(spec, strategy, fit_index):
-    """Where the backup lives: the same path on every worker and on every relaunch."""
-    if spec.backup_dir:
-        return spec.backup_dir
-    root = os.environ.get(BACKUP_DIR_VAR)
-    if root:
-        return os.path.join(root, f"fit{fit_index}")
-    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else "interactive"
-    key = "\0".join([script, *sys.argv[1:], str(strategy.num_replicas_in_sync), str(fit_index)])
-    name = f"{os.path.splitext(os.path.basename(script))[0]}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    return os.path.join(tempfile.gettempdir(), f"kerasdist-backup-{_user()}", name)
-
-
-def _user():
-    try:
-        return str(os.getuid())
-    except AttributeError:  # Windows
-        return os.environ.get("USERNAME", "user")
-
-
-def add_backup(call_kwargs, backup_dir, chief):
-    """BackupAndRestore first in the list (the user's own, if given); non-chief workers
-    restore from the shared backup but write theirs to a scratch directory."""
-    callbacks = call_kwargs["callbacks"]
-    mine = [cb for cb in callbacks if isinstance(cb, keras.callbacks.BackupAndRestore)]
-    if mine:
-        if chief:
-            return
-        user = mine[0]
-        replacement = make_chief_aware_backup(
-            user.backup_dir, os.path.join(scratch_dir(), "backup"), save_freq=user.save_freq,
-            double_checkpoint=user.double_checkpoint, delete_checkpoint=user.delete_checkpoint)
-        callbacks[callbacks.index(user)] = replacement
-        return
-    if chief:
-        callbacks.insert(0, keras.callbacks.BackupAndRestore(backup_dir))
-    else:
-        callbacks.insert(0, make_chief_aware_backup(backup_dir, os.path.join(scratch_dir(), "backup")))
 
 
 #: Callback attributes naming where a callback writes; non-chief workers write under scratch.

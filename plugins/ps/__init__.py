@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 import kerasdist
 from kerasdist import ClusterConfigError, PluginUnavailableError
-from kerasdist.plugin_tools import check_number
+from kerasdist.plugin_tools import check_number, keras_backend
 
-from .cluster import DEFAULT_CONNECT_TIMEOUT, SERVING_JOBS, Connection, cluster_of, wait_reachable
+from .cluster import DEFAULT_CONNECT_TIMEOUT, SERVING_JOBS, Connection, Presence, cluster_of, wait_reachable
 
 __all__ = ["PS", "SERVING_JOBS", "cluster_of", "wait_reachable", "fit", "training_input", "serve", "main"]
 
@@ -57,6 +57,19 @@ def kerasdist_auto_strategy(cluster):
 
 
 @kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if not cluster.has_parameter_servers or keras_backend() != "tensorflow":
+        return None
+    address = cluster.cluster[cluster.task_type][cluster.task_index]
+    if cluster.task_type in SERVING_JOBS:
+        return [{"what": f"ps: TensorFlow's gRPC server of {cluster.task_type} {cluster.task_index} "
+                         "(python -m kerasdist_plugins.ps); runs any graph a client sends, no authentication",
+                 "address": "*:" + address.rsplit(":", 1)[1], "interfaces": "all"}]
+    return [{"what": "ps: the coordinator's presence (accepts and closes connections, reads nothing)",
+             "address": address, "interfaces": "the address's"}]
+
+
+@kerasdist.hookimpl
 def kerasdist_create_strategy(spec, cluster):
     if not isinstance(spec, PS):
         return None
@@ -84,6 +97,7 @@ def kerasdist_create_strategy(spec, cluster):
                 f"{str(exc).splitlines()[0] if str(exc) else ''}. Check that every address runs a TensorFlow "
                 "server (python -m kerasdist_plugins.ps or tf.distribute.Server).") from exc
         Connection.jobs, Connection.strategy = jobs, strategy
+        Presence.announce(cluster)
         return strategy
 
 

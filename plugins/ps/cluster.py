@@ -1,7 +1,9 @@
 """The parameter-server cluster: where it comes from, checks, and the one connection per process."""
 
+import socket
 import threading
 import time
+import warnings
 
 from kerasdist import ClusterConfigError, PluginUnavailableError
 from kerasdist.plugin_tools import split_address, unreachable
@@ -86,3 +88,35 @@ class Connection:
     lock = threading.Lock()
     jobs = None
     strategy = None
+
+
+class Presence:
+    """The coordinator's presence for the ps and worker tasks: a listener on this process's "chief"
+    address that accepts and closes connections (it reads nothing). ``python -m kerasdist_plugins.ps``
+    watches it and exits once it has been gone for its grace: the coordinator finished or was killed."""
+
+    listener = None
+
+    @classmethod
+    def announce(cls, cluster):
+        if cls.listener is not None or cluster.task_type != "chief" or not cluster.cluster.get("chief"):
+            return
+        address = cluster.cluster["chief"][cluster.task_index]
+        host, port = split_address(address, "ps: chief address")
+        try:
+            cls.listener = socket.create_server((host, port))
+        except OSError as exc:
+            warnings.warn(f"ps: cannot listen on this coordinator's address {address} ({exc}); the ps and worker "
+                          "tasks will not notice when it ends and serve until they are stopped.", stacklevel=2)
+            return
+        threading.Thread(target=cls._accept, args=(cls.listener,), name="kerasdist-ps-presence",
+                         daemon=True).start()
+
+    @staticmethod
+    def _accept(listener):
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connection.close()

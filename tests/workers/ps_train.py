@@ -5,6 +5,7 @@ exact: 1 worker + 1 ps given as kerasdist.ps(workers=, ps=): errors that must co
        same training on one device; evaluate/predict compared too.
 async: the cluster from TF_CONFIG (this process is the chief), 2 workers: convergence figures. Every
        step prints "kerasdist-test-step" on the worker that runs it (tf.print runs where the op runs).
+hold:  the cluster from TF_CONFIG; compile, print a ready line, then sleep until killed.
 """
 
 import json
@@ -162,6 +163,10 @@ def asynchronous(out):
 def main():
     mode, path = sys.argv[1], sys.argv[2]
     out = {}
+    if mode == "hold":  # join the cluster (TF_CONFIG), then wait to be killed
+        build().compile(distribute="auto", **compile_kwargs())
+        print("kerasdist-test-coordinator-ready", flush=True)
+        time.sleep(600)
     if mode == "exact":
         exact(out, path, json.loads(sys.argv[3]), json.loads(sys.argv[4]))
     else:

@@ -1,0 +1,234 @@
+"""distribute="data_parallel" on TensorFlow and JAX; "hybrid" / "model_parallel" (JAX): keras.distribution.
+
+On JAX, Keras's own ``keras.distribution`` (DeviceMesh, LayoutMap, DataParallel, ModelParallel) needs
+``set_distribution`` before the model is built. kerasdist moves a model built anywhere instead: at compile
+each variable gets the layout the spec gives (replicated for data parallelism, sharded by the layout or
+the default rule for hybrid parallelism) and its value is placed there; ``fit``/``evaluate``/``predict``
+then run inside the distribution's scope, which splits each batch along the batch axis. Variables that
+already have a layout (a model built under the user's own distribution) keep it.
+
+On TensorFlow, "data_parallel" is ``tf.distribute.MirroredStrategy`` over the local devices.
+"""
+
+import dataclasses
+from typing import Optional, Sequence
+
+import kerasdist
+from kerasdist.plugin_tools import (check_number, keras_backend, lay_out_variables, local_replica_devices,
+                                    variable_layout)
+
+from . import processes
+from .layout import (DEFAULT_MIN_SHARD_SIZE, check_layout_axes, choose_axes, format_layout, layout_rows,
+                     mesh_shape)
+
+__all__ = ["DataParallel", "Hybrid", "layout_table"]
+
+
+@dataclasses.dataclass
+class DataParallel(kerasdist.StrategySpec):
+    """Every device holds every weight; each batch is split across the devices.
+
+    :param devices: TensorFlow device names (default: the local GPUs, else logical CPUs) or JAX
+        device ids such as ``"cpu:3"`` (default: every device of every process).
+    :param sync_batch_norm: TensorFlow: BatchNormalization statistics over the whole global batch (one
+        all-reduce per layer and step). JAX computes them over the global batch always.
+    """
+
+    devices: Optional[Sequence[str]] = None
+    sync_batch_norm: bool = False
+
+    def __post_init__(self):
+        if self.devices is not None and (isinstance(self.devices, str) or not all(
+                isinstance(d, str) for d in self.devices) or not self.devices):
+            raise kerasdist.KerasdistError(f"data_parallel: devices={self.devices!r} is not valid; give a non-empty "
+                                           "list of device names such as ['cpu:0', 'cpu:1'], or None for all.")
+
+
+@dataclasses.dataclass
+class Hybrid(kerasdist.StrategySpec):
+    """Data and model parallelism at once (JAX): the batch split along ``batch_axis``, weights sharded.
+
+    :param mesh: ``{axis name: size}``, e.g. ``{"batch": 2, "model": 4}``; the sizes multiply to the
+        device count. None: every device on one "model" axis (pure model parallelism).
+    :param layout: ``{path regex: (axis or None, ...)}`` per variable dimension, matched with
+        ``re.search`` against variable paths (``"dense/kernel"``); unmatched variables are replicated.
+        None: the default rule shards the last dimension of every kernel or embedding table with at
+        least ``min_shard_size`` elements over the first non-batch axis, and replicates the rest.
+    :param batch_axis: the mesh axis the batch is split along.
+    :param show_layout: print each variable's shape, sharding and bytes per device at compile.
+    """
+
+    mesh: Optional[dict] = None
+    layout: Optional[dict] = None
+    batch_axis: str = "batch"
+    min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
+    show_layout: bool = False
+
+    def __post_init__(self):
+        if self.mesh is not None:
+            if not isinstance(self.mesh, dict) or not self.mesh or not all(
+                    isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+                    for k, v in self.mesh.items()):
+                raise kerasdist.KerasdistError(f"hybrid: mesh={self.mesh!r} is not valid; give {{axis name: size >= 1}}, "
+                                               "e.g. {'batch': 2, 'model': 4}.")
+            check_layout_axes(self.layout, {self.batch_axis: 1, **self.mesh}, self.batch_axis)
+        if self.layout is not None and (not isinstance(self.layout, dict) or not all(
+                isinstance(k, str) and isinstance(v, (tuple, list)) for k, v in self.layout.items())):
+            raise kerasdist.KerasdistError(f"hybrid: layout={self.layout!r} is not valid; give {{path regex: (axis or "
+                                           "None, ...)}}, e.g. {'dense.*/kernel': (None, 'model')}.")
+        check_number(self.min_shard_size, "min_shard_size", "hybrid", minimum=0, integer=True)
+
+    def identity(self):
+        return repr((self.mesh, self.layout, self.batch_axis, self.min_shard_size))
+
+
+@kerasdist.hookimpl
+def kerasdist_register_strategies(register):
+    register("data_parallel", DataParallel, aliases=("data-parallel", "dataparallel"), backends=("tensorflow", "jax"),
+             description="Replicated weights, the batch split across devices: tf.distribute.MirroredStrategy on "
+                         "TensorFlow, keras.distribution.DataParallel on JAX.")
+    register("hybrid", Hybrid, aliases=("model_parallel", "model-parallel", "modelparallel"), backends=("jax",),
+             description="Data + model parallelism on a device mesh (keras.distribution.ModelParallel): the batch "
+                         "split along one axis, large weights sharded along another.")
+
+
+@kerasdist.hookimpl(tryfirst=True)
+def kerasdist_auto_strategy(cluster):
+    return "data_parallel" if keras_backend() == "jax" else None
+
+
+@kerasdist.hookimpl
+def kerasdist_process_start(cluster):
+    """On JAX, a process of a TF_CONFIG/Slurm cluster (``kerasdist launch -n N``) joins one JAX cluster."""
+    if keras_backend() == "jax" and processes.is_process_cluster(cluster):
+        processes.join(cluster)
+
+
+@kerasdist.hookimpl
+def kerasdist_listeners(cluster):
+    if keras_backend() != "jax" or not processes.is_process_cluster(cluster):
+        return None
+    tasks = list(cluster.cluster.get("chief", ())) + list(cluster.cluster.get("worker", ()))
+    if cluster.task_index != 0 or (cluster.task_type == "worker" and cluster.cluster.get("chief")):
+        return []
+    return [{"what": "JAX's distributed coordination service (jax.distributed), process 0 only",
+             "address": "*:" + tasks[0].rsplit(":", 1)[1], "interfaces": "all"}]
+
+
+@kerasdist.hookimpl
+def kerasdist_create_strategy(spec):
+    if not isinstance(spec, (DataParallel, Hybrid)):
+        return None
+    if keras_backend() != "jax":
+        import tensorflow as tf
+
+        return tf.distribute.MirroredStrategy(list(spec.devices or local_replica_devices()))
+    import keras
+
+    devices = _jax_devices(spec)
+    if isinstance(spec, DataParallel):
+        distribution = keras.distribution.DataParallel(devices=devices)
+    else:
+        mesh = mesh_shape(spec, len(devices))
+        device_mesh = keras.distribution.DeviceMesh(shape=tuple(mesh.values()), axis_names=list(mesh), devices=devices)
+        distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(device_mesh),
+                                                        batch_dim_name=spec.batch_axis)
+    distribution.auto_shard_dataset = False  # several processes: each is given its rows (processes.py)
+    return distribution
+
+
+def _jax_devices(spec):
+    import keras
+
+    available = keras.distribution.list_devices()
+    wanted = getattr(spec, "devices", None)
+    if wanted is None:
+        return available
+    missing = [d for d in wanted if d not in available]
+    if missing:
+        raise kerasdist.KerasdistError(f"data_parallel: device(s) {missing} do not exist here; available: {available}. "
+                                       "Set XLA_FLAGS=--xla_force_host_platform_device_count=N for N CPU devices.")
+    return list(wanted)
+
+
+@kerasdist.hookimpl
+def kerasdist_prepare_model(model, strategy, spec):
+    if not isinstance(spec, (DataParallel, Hybrid)) or keras_backend() != "jax":
+        return
+    if not model.built:
+        raise kerasdist.KerasdistError(
+            f"{spec.name}: the model is not built, so its variables cannot be placed; give it an Input "
+            "(keras.Input(shape)) or call it on a batch before compile.")
+    import keras
+
+    variables = list(model.variables)
+    if isinstance(spec, Hybrid):
+        mesh = dict(zip(strategy.device_mesh.axis_names, strategy.device_mesh.shape))
+        check_layout_axes(spec.layout, mesh, spec.batch_axis)
+        axes = choose_axes([v for v in variables if variable_layout(v) is None], spec, mesh)
+    else:
+        axes = {}
+
+    def layout_of(variable):
+        spec_axes = axes.get(variable.path, (None,) * len(variable.shape))
+        return keras.distribution.TensorLayout(list(spec_axes), strategy.device_mesh)
+
+    lay_out_variables(variables, layout_of)
+    if isinstance(spec, Hybrid) and spec.show_layout:
+        print(layout_table(model), flush=True)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":
+        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
+
+        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
+        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            from kerasdist.plugin_tools import synchronize_batch_norm
+
+            synchronize_batch_norm(model)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
+    if not isinstance(spec, (DataParallel, Hybrid)) or keras_backend() != "jax":
+        return
+    batch_axis = strategy.batch_dim_name
+    size = dict(zip(strategy.device_mesh.axis_names, strategy.device_mesh.shape))[batch_axis]
+    batch = call_kwargs.get("batch_size")
+    if batch is not None and batch % size != 0:
+        raise kerasdist.KerasdistError(
+            f"{spec.name}: batch_size={batch} cannot be split along the batch axis {batch_axis!r} of size {size}; "
+            f"give a multiple of {size} (batch_size is the global batch).")
+    if processes.process_count()[0] > 1:
+        if method == "predict":
+            raise kerasdist.KerasdistError(
+                f"{spec.name}: predict over several JAX processes is not supported; predict in one process "
+                "(e.g. load the saved model there), or under kerasdist.is_chief() after training.")
+        processes.split_inputs(call_kwargs, spec.name)
+        processes.quiet_other_processes(method, call_kwargs)
+
+
+@kerasdist.hookimpl
+def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
+    if not isinstance(spec, (DataParallel, Hybrid)) or keras_backend() != "jax":
+        return None
+    import keras
+
+    variables = list(model.variables) + _optimizer_variables(model)
+    lay_out_variables(variables, lambda v: keras.distribution.TensorLayout([None] * len(v.shape), strategy.device_mesh))
+    with strategy.scope():
+        return call(**call_kwargs)
+
+
+def layout_table(model):
+    """A table of each variable of ``model``: shape, sharding spec and bytes held per device."""
+    variables = list(model.variables) + _optimizer_variables(model)
+    return format_layout(layout_rows(variables, None))
+
+
+def _optimizer_variables(model):
+    optimizer = getattr(model, "optimizer", None)
+    return list(optimizer.variables) if optimizer is not None else []
