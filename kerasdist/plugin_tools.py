@@ -27,8 +27,8 @@ from .errors import ClusterConfigError, KerasdistError, did_you_mean
 __all__ = [
     # values and the environment
     "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
-    "is_dataset", "unique_variables", "local_replica_devices", "check_devices_exist", "canonical_devices",
-    "keras_backend",
+    "is_dataset", "arrays_as_dataset", "split_batches", "unique_variables", "local_replica_devices",
+    "check_devices_exist", "canonical_devices", "keras_backend",
     # Keras / TensorFlow adapters
     "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
     "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",
@@ -139,6 +139,87 @@ def is_dataset(value):
     tf = sys.modules.get("tensorflow")
     data = getattr(tf, "data", None) if tf is not None else None
     return data is not None and isinstance(value, data.Dataset)
+
+
+def arrays_as_dataset(call_kwargs, seed=None, method="fit"):
+    """Feed a ``fit``/``evaluate`` call's in-memory arrays as one batched ``tf.data.Dataset``.
+
+    ``call_kwargs`` (the call's keyword arguments) is changed in place when ``x``, ``y`` and
+    ``sample_weight`` are numpy arrays (or lists, tuples, dicts of them): ``validation_split`` is
+    cut off first as Keras does (the last samples, before shuffling), the rest is shuffled with
+    ``seed`` every epoch (None: kept in order) and batched by ``batch_size`` (default 32). The same
+    seed gives every worker the same order, where Keras's own shuffle is unseeded. Returns whether
+    it replaced the arrays. ``method`` is the Keras method called ("fit" or "evaluate").
+    """
+    import numpy as np
+
+    x = call_kwargs.get("x")
+    if not _all_arrays(x) or not _all_arrays(call_kwargs.get("y"), allow_none=True) \
+            or not _all_arrays(call_kwargs.get("sample_weight"), allow_none=True):
+        return False
+    import keras
+    import tensorflow as tf
+
+    parts = [p for p in (x, call_kwargs.get("y"), call_kwargs.get("sample_weight")) if p is not None]
+    split = float(call_kwargs.get("validation_split") or 0.0)
+    if split and call_kwargs.get("validation_data") is None:
+        at = int(np.floor(len(_first_array(x)) * (1.0 - split)))
+        call_kwargs["validation_data"] = tuple(_slice(p, at, None) for p in parts)
+        parts = [_slice(p, 0, at) for p in parts]
+    # tf.data reads a Python list as one tensor: lists of arrays (multi-input/output) must be tuples.
+    dataset = tf.data.Dataset.from_tensor_slices(tuple(keras.tree.lists_to_tuples(p) for p in parts))
+    if seed is not None:
+        dataset = dataset.shuffle(len(_first_array(parts[0])), seed=seed, reshuffle_each_iteration=True)
+    call_kwargs.update(x=dataset.batch(call_kwargs.get("batch_size") or 32), y=None, sample_weight=None,
+                       batch_size=None)
+    if method == "fit":
+        call_kwargs.update(shuffle=False, validation_split=0.0)
+    return True
+
+
+def split_batches(dataset, rank, size):
+    """Rank ``rank``'s part of every batch of ``dataset``: rows ``[n*rank//size, n*(rank+1)//size)``
+    of a batch of ``n``. Each batch is split into ``size`` parts of sizes differing by at most one,
+    so every rank runs one step per batch and the ranks' steps together cover the whole batch."""
+    import tensorflow as tf
+
+    def part(*element):
+        structure = element[0] if len(element) == 1 else element
+        rows = tf.shape(tf.nest.flatten(structure)[0])[0]
+        start, stop = rows * rank // size, rows * (rank + 1) // size
+        return tf.nest.map_structure(lambda t: t[start:stop], structure)
+
+    return dataset.map(part)
+
+
+def _all_arrays(value, allow_none=False):
+    import numpy as np
+
+    if value is None:
+        return allow_none
+    if isinstance(value, np.ndarray):
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        return all(isinstance(v, np.ndarray) for v in value)
+    if isinstance(value, dict) and value:
+        return all(isinstance(v, np.ndarray) for v in value.values())
+    return False
+
+
+def _first_array(value):
+    if isinstance(value, dict):
+        return next(iter(value.values()))
+    if isinstance(value, (list, tuple)):
+        return value[0]
+    return value
+
+
+def _slice(value, start, stop):
+    if isinstance(value, dict):
+        return {k: v[start:stop] for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(v[start:stop] for v in value)
+    return value[start:stop]
 
 
 def unique_variables(variables):

@@ -77,6 +77,19 @@ def finish(procs, timeout):
     return results
 
 
+def processes_with(token):
+    """Pids of this machine's processes whose command line contains ``token``."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
 def kill_group(proc):
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from helpers import PYTHON, ROOT, child_env, run
+from helpers import PYTHON, ROOT, child_env, processes_with, run
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
 import hvd_common as common  # noqa: E402
@@ -39,18 +39,6 @@ def horovodrun(mode, outdir, timeout, check=True):
             os.kill(pid, 9)
     assert not left, f"processes left behind by {mode}: {left}"
     return result, time.monotonic() - start
-
-
-def processes_with(token):
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if token.encode() in f.read():
-                    pids.append(int(pid))
-        except OSError:
-            pass
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +83,22 @@ def test_ranks_identical_and_equal_to_single_process_on_global_batch(suite):
         np.testing.assert_allclose(rank["equivalence_loss"], history["loss"], atol=1e-5)
         np.testing.assert_allclose(rank["equivalence_mae"], history["mae"], atol=1e-5)
         np.testing.assert_allclose(rank["evaluate"], evaluation, atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_batch_size_per_worker_gives_horovods_semantics_and_says_so_once(suite):
+    """batch_size_per_worker=True: batch_size=16 per rank, so a step trains on 16 x 2 = 32 examples,
+    the same training as the default run given batch_size=32 (the global batch)."""
+    ranks, stdout, _ = suite
+    weights, _, _ = single_process_reference()
+    for rank in ranks:
+        assert list(rank["per_worker_steps"]) == [4, 4]  # 128 examples / (16 x 2)
+        assert np.abs(rank["per_worker_weights"] - weights).max() <= 1e-5
+    notice = ("kerasdist: horovod batch_size_per_worker=True: batch_size=16 is each rank's batch: the global "
+              "batch is 32 (16 x 2 ranks), as in Horovod.")
+    assert stdout.count(notice) == 1, stdout[-3000:]
 
 
 # -- Must show 2: fp16 compression and backward_passes_per_step ---------------------------
@@ -269,12 +273,51 @@ def test_unavailable_horovod_is_listed_with_reason_and_build_command(horovod_mis
     ({"gradient_predivide_factor": 2.0, "op": "sum"}, "gradient_predivide_factor=2.0 needs op='average'"),
     ({"op": "adasum", "average_aggregated_gradients": True}, "average_aggregated_gradients=True"),
     ({"warmup_epochs": -1}, "warmup_epochs=-1 is not valid"),
+    ({"batch_size_per_worker": "yes"}, "batch_size_per_worker='yes' is not valid; give True"),
+    ({"batch_size_per_worker": True, "shard": False}, "batch_size_per_worker=True has no meaning with shard=False"),
 ])
 def test_bad_options_are_rejected_by_name(options, phrase):
     import kerasdist
 
     with pytest.raises(kerasdist.KerasdistError, match=phrase.replace("(", r"\(").replace(")", r"\)")):
         plugin.check_options(kerasdist.horovod(**options))
+
+
+@pytest.mark.parametrize("word", ["mirrored", "multiworker", "central_storage"])
+def test_batch_size_per_worker_is_refused_where_batch_size_is_already_global(word):
+    import kerasdist
+
+    with pytest.raises(kerasdist.KerasdistError, match=f"'{word}' has no option 'batch_size_per_worker'"):
+        kerasdist.spec(word, batch_size_per_worker=True)
+
+
+def test_global_batches_are_split_between_ranks_with_one_step_each():
+    import tensorflow as tf
+    from kerasdist.plugin_tools import split_batches
+
+    dataset = tf.data.Dataset.range(10).batch(4)  # 4, 4, 2 (and then 3 rows for 3 ranks)
+    parts = [[b.tolist() for b in split_batches(dataset, r, 2).as_numpy_iterator()] for r in range(2)]
+    assert parts == [[[0, 1], [4, 5], [8]], [[2, 3], [6, 7], [9]]]
+    pairs = tf.data.Dataset.from_tensor_slices((np.arange(3), np.arange(3) * 10)).batch(3)
+    parts = [[tuple(a.tolist() for a in b) for b in split_batches(pairs, r, 3).as_numpy_iterator()]
+             for r in range(3)]
+    assert parts == [[([0], [0])], [([1], [10])], [([2], [20])]]
+
+
+def test_arrays_become_one_dataset_shuffled_alike_with_a_shared_seed():
+    from kerasdist.plugin_tools import arrays_as_dataset
+
+    def order(seed):
+        kwargs = {"x": np.arange(20), "y": np.arange(20) * 2, "batch_size": 5, "validation_split": 0.25}
+        assert arrays_as_dataset(kwargs, seed)
+        assert kwargs["batch_size"] is None and kwargs["y"] is None and kwargs["validation_split"] == 0.0
+        np.testing.assert_array_equal(kwargs["validation_data"][0], np.arange(15, 20))  # cut before shuffling
+        return [b[0].tolist() for b in kwargs["x"].as_numpy_iterator()]
+
+    assert order(3) == order(3) and order(3) != order(4)
+    assert sorted(sum(order(3), [])) == list(range(15))
+    assert order(None) == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11, 12, 13, 14]]
+    assert not arrays_as_dataset({"x": [1, 2, 3]}, None)  # not arrays: left alone
 
 
 def test_detects_horovodrun_and_auto_picks_horovod(system):

@@ -199,6 +199,37 @@ def test_gradient_all_reduce_can_be_routed_and_restored():
     assert "_all_reduce_sum_gradients" not in vars(routed.optimizer)
 
 
+def test_loss_scaled_gradients_are_summed_once_before_the_finite_check():
+    """mixed_float16: ``LossScaleOptimizer.apply`` checks the gradients it is given for inf/NaN, then
+    its inner optimizer all-reduces (``_all_reduce_sum_gradients``). Routed, the sum runs once, in the
+    loss-scale optimizer's ``apply``: an inf from the sum alone (another worker's overflow) skips the step."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    x, y = np.random.RandomState(0).rand(16, 3).astype("float32"), np.zeros((16, 2), "float32")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    before = [w.copy() for w in model.get_weights()]
+    calls = []
+
+    def summed(tensors):  # as if another worker's gradients had overflowed
+        calls.append(len(tensors))
+        return [t + float("inf") for t in tensors]
+
+    assert hasattr(model.optimizer, "inner_optimizer")  # Keras wrapped SGD in its LossScaleOptimizer
+    internals.route_gradient_all_reduce(model.optimizer, strategy, summed)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, shuffle=False)
+    assert len(calls) == 1, calls  # traced once, in the outer apply; the inner optimizer does not sum again
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)  # both steps skipped
+    assert float(model.optimizer.dynamic_scale.numpy()) == 32768.0 / 4
+    internals.route_gradient_all_reduce(model.optimizer, strategy, None)
+    assert "apply" not in vars(model.optimizer) and "_all_reduce_sum_gradients" not in vars(model.optimizer)
+
+
 def test_log_summer_replaces_the_per_log_reduce_for_float_scalars():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     calls = []

@@ -183,3 +183,50 @@ def test_ranks_with_different_secrets_do_not_form_a_ring():
     for thread in threads:
         thread.join(10)
     assert all(e and "did not connect to the ring in time" in e for e in errors), errors
+
+
+def _in_threads(function, size=2):
+    import threading
+
+    results = [None] * size
+    threads = [threading.Thread(target=lambda r: results.__setitem__(r, function(r)), args=(r,))
+               for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_sum_tensors_carries_float16_and_bfloat16_summed_in_float32():
+    """Mixed precision: 16-bit floats cross the ring (as float32) and come back in their own dtype,
+    correctly rounded and the same bits on every rank."""
+    import tensorflow as tf
+
+    from kerasdist_plugins.multiworker import ring as tcp_ring
+
+    listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [address for _, address in listeners]
+    rings = _in_threads(lambda r: tcp_ring.TcpRing.connect(listeners[r][0], addresses, r, connect_timeout=20))
+    values = {tf.float16: [2048.0, 1.0], tf.bfloat16: [0.1, 3.0], tf.float32: [1.5, 0.25]}
+
+    def run(rank):
+        @tf.function
+        def step():
+            return rings[rank].sum_tensors([tf.fill([3], tf.constant(v[rank], d)) for d, v in values.items()])
+
+        return step()
+
+    try:
+        results = _in_threads(run)
+    finally:
+        for r in rings:
+            r.close()
+    for rank_result in results:
+        for (dtype, (a, b)), total in zip(values.items(), rank_result):
+            assert total.dtype == dtype
+            expected = tf.cast(tf.cast(a, dtype), tf.float32) + tf.cast(tf.cast(b, dtype), tf.float32)
+            expected = tf.cast(expected, dtype)  # float16 2048 + 1 rounds to 2048
+            np.testing.assert_array_equal(total.numpy(), np.full(3, expected.numpy()))
+    np.testing.assert_array_equal(results[0][0].numpy(), results[1][0].numpy())

@@ -12,15 +12,17 @@ Launch with ``horovodrun -np 2 -H localhost:2 python train.py``; the script only
 - at the start of ``fit``: the model must be the same on every rank (checked, never a
   hang), then weights and optimizer state are broadcast from rank 0;
 - epoch logs (and ``evaluate`` results) are averaged across ranks;
-- ``fit``/``evaluate`` data is sharded by rank (whole batches; the user's batch size is
-  per rank), with the same number of steps on every rank;
+- ``fit``/``evaluate`` data is split between ranks: ``batch_size`` is the global batch (each
+  rank takes its part of every batch), as under every strategy; ``batch_size_per_worker=True``
+  gives Horovod's semantics (whole batches per rank, global batch = batch_size x ranks);
 - checkpoints, TensorBoard, CSV logs and the progress bar run on rank 0 only;
-- optional learning-rate scaling by the world size and Horovod's warm-up schedule.
+- learning-rate scaling by the world size and Horovod's warm-up schedule, only when asked.
 - elastic training (``horovodrun --min-np/--max-np``): :func:`run_elastic` instead of ``fit``.
 
 Each rank is one replica: the strategy is TensorFlow's default strategy.
 """
 
+import sys
 import warnings
 
 import kerasdist
@@ -170,9 +172,13 @@ def kerasdist_prepare_dataset(dataset, method, spec):
 
     if hvd.size() == 1:
         return None
-    from .data import shard_dataset
+    if spec.batch_size_per_worker:
+        from .data import shard_dataset
 
-    return shard_dataset(dataset, hvd.rank(), hvd.size(), method)
+        return shard_dataset(dataset, hvd.rank(), hvd.size(), method)
+    from kerasdist.plugin_tools import split_batches
+
+    return split_batches(dataset, hvd.rank(), hvd.size())
 
 
 @kerasdist.hookimpl
@@ -182,9 +188,13 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
     import horovod.tensorflow as hvd
 
     from .callbacks import BroadcastStateCallback, LearningRateWarmupCallback, MetricAverageCallback, chief_only
-    from .data import shard_call_data
+    from .data import per_worker_notice, shard_call_data, split_call_data
 
     rank, size = hvd.rank(), hvd.size()
+    if method == "fit":
+        from .gradients import reduce_before_loss_scaling
+
+        reduce_before_loss_scaling(model.optimizer)
     callbacks = call_kwargs["callbacks"]
     if rank != 0:
         call_kwargs["verbose"] = 0
@@ -192,7 +202,12 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
     if size == 1:
         return
     if spec.shard and method in ("fit", "evaluate"):
-        shard_call_data(call_kwargs, rank, size, method)
+        if spec.batch_size_per_worker:
+            if rank == 0 and method == "fit":
+                print(per_worker_notice(call_kwargs, size), file=sys.stderr, flush=True)
+            shard_call_data(call_kwargs, rank, size, method)
+        else:
+            split_call_data(call_kwargs, rank, size, method, _shared_seed(hvd) if method == "fit" else None)
     if spec.average_metrics and method == "fit":
         callbacks.insert(0, MetricAverageCallback())
     if method == "fit":
@@ -200,6 +215,13 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
             target = getattr(model.optimizer.__dict__.get("_kerasdist_horovod"), "warmup_target_lr", None)
             callbacks.insert(1, LearningRateWarmupCallback(initial_lr=target, warmup_epochs=spec.warmup_epochs))
         callbacks.append(BroadcastStateCallback())  # last: after any callback that loads state on rank 0
+
+
+def _shared_seed(hvd):
+    """A fresh shuffle seed, the same on every rank (rank 0's)."""
+    import random
+
+    return hvd.broadcast_object(random.randrange(2**31), root_rank=0, name="kerasdist_shuffle_seed")
 
 
 @kerasdist.hookimpl

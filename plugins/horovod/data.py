@@ -1,10 +1,15 @@
-"""Data: each rank's share of ``fit``/``evaluate`` input, the same number of steps on every rank."""
+"""Data: each rank's share of ``fit``/``evaluate`` input, the same number of steps on every rank.
+
+By default ``batch_size`` is the global batch, as under every other strategy: every batch is split
+between the ranks. ``batch_size_per_worker=True`` gives Horovod's own semantics: whole batches go
+to ranks in turn, so the global batch is ``batch_size`` x ranks.
+"""
 
 import math
 import warnings
 
 import kerasdist
-from kerasdist.plugin_tools import is_dataset
+from kerasdist.plugin_tools import arrays_as_dataset, is_dataset, split_batches
 
 
 def shard_dataset(dataset, rank, size, what="fit"):
@@ -68,24 +73,55 @@ def shard_arrays(arrays, batch_size, rank, size, what="fit"):
 
 
 
+def split_call_data(call_kwargs, rank, size, method, seed):
+    """``batch_size`` is the global batch: each rank takes its part of every batch (arrays are fed as
+    a dataset shuffled alike on every rank with ``seed``); validation arrays likewise."""
+    shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
+    x = call_kwargs.get("x")
+    if is_dataset(x) or arrays_as_dataset(call_kwargs, shuffle, method):
+        call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
+    elif x is not None:
+        _not_split_warning(method, x)
+    validation = call_kwargs.get("validation_data") if method == "fit" else None
+    if validation is not None and not is_dataset(validation):  # datasets: kerasdist_prepare_dataset
+        parts = dict(zip(("x", "y", "sample_weight"), validation))
+        parts["batch_size"] = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size")
+        if arrays_as_dataset(parts, method="evaluate"):
+            call_kwargs["validation_data"] = split_batches(parts["x"], rank, size)
+
+
 def shard_call_data(call_kwargs, rank, size, method):
+    """Horovod's semantics (``batch_size_per_worker=True``): whole batches of ``batch_size`` per rank."""
     batch_size = call_kwargs.get("batch_size") or 32
     x = call_kwargs.get("x")
     if x is not None and not is_dataset(x):
         data = {k: call_kwargs.get(k) for k in ("x", "y", "sample_weight")}
         sharded = shard_arrays(data, batch_size, rank, size, method)
         if sharded is None:
-            warnings.warn(f"horovod: {method} input of type {type(x).__name__} is not sharded, so every rank "
-                          "sees all of it: shard it by horovod.tensorflow.rank() yourself, or pass numpy "
-                          "arrays or a tf.data.Dataset.", stacklevel=4)
+            _not_split_warning(method, x)
         else:
             call_kwargs.update({k: v for k, v in sharded.items() if k in call_kwargs or v is not None})
     validation = call_kwargs.get("validation_data") if method == "fit" else None
-    if validation is not None:
-        if is_dataset(validation):
-            call_kwargs["validation_data"] = shard_dataset(validation, rank, size, "validation")
-        else:
-            sharded = shard_arrays(tuple(validation), call_kwargs.get("validation_batch_size") or batch_size,
-                                   rank, size, "validation")
-            if sharded is not None:
-                call_kwargs["validation_data"] = sharded
+    if validation is not None and not is_dataset(validation):  # datasets: kerasdist_prepare_dataset
+        sharded = shard_arrays(tuple(validation), call_kwargs.get("validation_batch_size") or batch_size,
+                               rank, size, "validation")
+        if sharded is not None:
+            call_kwargs["validation_data"] = sharded
+
+
+def _not_split_warning(method, x):
+    warnings.warn(f"horovod: {method} input of type {type(x).__name__} is not split between ranks, so every "
+                  "rank sees all of it: shard it by horovod.tensorflow.rank() yourself, or pass numpy arrays "
+                  "or a tf.data.Dataset.", stacklevel=5)
+
+
+def per_worker_notice(call_kwargs, size):
+    """The one line saying that ``batch_size`` is per rank (``batch_size_per_worker=True``)."""
+    batch_size = call_kwargs.get("batch_size")
+    if batch_size is None and is_dataset(call_kwargs.get("x")):
+        what = f"each rank takes whole batches of the dataset: a step trains on {size} of its batches"
+    else:
+        batch_size = batch_size or 32
+        what = (f"batch_size={batch_size} is each rank's batch: the global batch is {batch_size * size} "
+                f"({batch_size} x {size} ranks)")
+    return f"kerasdist: horovod batch_size_per_worker=True: {what}, as in Horovod."

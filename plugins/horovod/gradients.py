@@ -99,7 +99,7 @@ class _AllreduceOptimizerMixin:
 
     def apply(self, grads, trainable_variables=None):
         reducer = self.__dict__.get("_kerasdist_horovod")
-        if reducer is None:
+        if reducer is None or self.__dict__.get(_REDUCED_BY_WRAPPER):
             return super().apply(grads, trainable_variables)
         return reducer.apply(self, super().apply, list(grads), trainable_variables)
 
@@ -120,7 +120,24 @@ def distribute_optimizer(optimizer, reducer):
                                              {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
         object.__setattr__(optimizer, "__class__", _distributed_classes[cls])
     object.__setattr__(optimizer, "_kerasdist_horovod", reducer)  # outside Keras/TF tracking
+    optimizer.__dict__.pop(_REDUCED_BY_WRAPPER, None)
     return optimizer
+
+
+_REDUCED_BY_WRAPPER = "_kerasdist_horovod_reduced_by_wrapper"
+
+
+def reduce_before_loss_scaling(optimizer):
+    """Under mixed_float16 ``compile`` wraps the optimizer in a ``LossScaleOptimizer``, which checks
+    the gradients for inf/NaN before the wrapped optimizer's ``apply`` runs (or is skipped). All-reduce
+    in the wrapper instead: every rank then checks the same sums and takes the same branch (a rank
+    whose own gradients overflowed would otherwise skip the all-reduce the others wait in)."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    reducer = inner.__dict__.get("_kerasdist_horovod") if inner is not None else None
+    if reducer is None or optimizer.__dict__.get("_kerasdist_horovod") is reducer:
+        return
+    distribute_optimizer(optimizer, reducer)
+    object.__setattr__(inner, _REDUCED_BY_WRAPPER, True)
 
 
 

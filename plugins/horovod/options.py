@@ -41,6 +41,9 @@ class Horovod(kerasdist.StrategySpec):
     :param warmup_epochs: ramp the learning rate from ``lr / size`` up to ``lr`` over this
         many epochs (Horovod's ``LearningRateWarmupCallback``); 0 turns it off.
     :param shard: split ``fit``/``evaluate`` data between ranks.
+    :param batch_size_per_worker: ``batch_size`` is each rank's batch and whole batches go to the
+        ranks in turn (Horovod's semantics: global batch = batch_size x ranks). Default False:
+        ``batch_size`` is the global batch, as under every other strategy.
     :param average_metrics: average epoch logs and ``evaluate`` results across ranks.
     """
 
@@ -54,6 +57,7 @@ class Horovod(kerasdist.StrategySpec):
     warmup_epochs: float = 0.0
     shard: bool = True
     average_metrics: bool = True
+    batch_size_per_worker: bool = False
 
 
 
@@ -106,6 +110,15 @@ def check_options(spec):
     if op_name(spec.op) == "adasum" and spec.average_aggregated_gradients:
         raise kerasdist.KerasdistError(
             "horovod: op='adasum' does not support average_aggregated_gradients=True; set it to False.")
+    if not isinstance(spec.batch_size_per_worker, bool):
+        raise kerasdist.KerasdistError(
+            f"horovod: batch_size_per_worker={spec.batch_size_per_worker!r} is not valid; give True (batch_size "
+            "is each rank's batch, as in Horovod) or False (batch_size is the global batch).")
+    if spec.batch_size_per_worker and not spec.shard:
+        raise kerasdist.KerasdistError(
+            "horovod: batch_size_per_worker=True has no meaning with shard=False: kerasdist then leaves each "
+            "rank's data and batches as you give them. Drop batch_size_per_worker, or let kerasdist split "
+            "the data (shard=True).")
     if not isinstance(spec.warmup_epochs, numbers.Real) or spec.warmup_epochs < 0:
         raise kerasdist.KerasdistError(
             f"horovod: warmup_epochs={spec.warmup_epochs!r} is not valid; give a number >= 0 (0: no warm-up).")

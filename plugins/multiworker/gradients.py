@@ -24,7 +24,14 @@ def use_ring(model, strategy, method):
     if method == "fit":
         # an XLA-compiled step cannot call back into Python: it keeps TensorFlow's all-reduce
         use = ring and not model.jit_compile
-        route_gradient_all_reduce(model.optimizer, strategy, ring.sum_tensors if use else None)
+        route_gradient_all_reduce(model.optimizer, strategy, ring.sum_tensors if use else _collective_sum)
+
+
+def _collective_sum(tensors):
+    """TensorFlow's all-reduce (what Keras does), routed so that loss scaling sums before it checks."""
+    import tensorflow as tf
+
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
 
 
 def gradient_transport():

@@ -119,20 +119,24 @@ class TcpRing:
         return sums
 
     def sum_tensors(self, tensors):
-        """All-reduce (sum) dense tensors from inside a ``tf.function``: one message per dtype."""
+        """All-reduce (sum) dense tensors from inside a ``tf.function``: one message per dtype.
+
+        float16 and bfloat16 tensors travel and are summed as float32, then cast back (every rank
+        casts the same float32 sum, so all ranks still end with the same bits).
+        """
         import tensorflow as tf
 
         sums = [None] * len(tensors)
         by_dtype = {}
         for index, tensor in enumerate(tensors):
-            by_dtype.setdefault(tensor.dtype, []).append(index)
+            by_dtype.setdefault(_wire_dtype(tf, tensor.dtype), []).append(index)
         for dtype, indices in by_dtype.items():
-            group = [tensors[i] for i in indices]
+            group = [tf.cast(tensors[i], dtype) if tensors[i].dtype != dtype else tensors[i] for i in indices]
             results = tf.numpy_function(self.sum_arrays, group, [dtype] * len(group), stateful=True,
                                         name="kerasdist_ring_all_reduce")
-            for index, tensor, result in zip(indices, group, results):
-                result.set_shape(tensor.shape)
-                sums[index] = result
+            for index, result in zip(indices, results):
+                result.set_shape(tensors[index].shape)
+                sums[index] = tf.cast(result, tensors[index].dtype) if dtype != tensors[index].dtype else result
         return sums
 
     def _ring_all_reduce(self, flat):
@@ -175,6 +179,10 @@ class TcpRing:
                     if len(incoming) == payload:  # the header is in: check it before the payload
                         _check_header(in_header, self._messages, receive_array.nbytes)
         self._messages += 1
+
+
+def _wire_dtype(tf, dtype):
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
 
 
 def _nonempty(*views):

@@ -8,6 +8,8 @@ import tempfile
 
 import keras
 
+from kerasdist.plugin_tools import arrays_as_dataset
+
 from .options import SCRATCH_DIR_VAR
 
 
@@ -58,59 +60,8 @@ def shuffle_arrays_alike(call_kwargs, seed):
     """Keras shuffles numpy inputs with an unseeded op, so workers would each take a
     different permutation and the element-wise shard would repeat some examples and
     drop others. Feed arrays through a tf.data pipeline shuffled with one shared seed."""
-    import numpy as np
-
-    x = call_kwargs.get("x")
-    shuffle = call_kwargs.get("shuffle", True)
-    if not shuffle or not _all_arrays(x) or not _all_arrays(call_kwargs.get("y"), allow_none=True) \
-            or not _all_arrays(call_kwargs.get("sample_weight"), allow_none=True):
-        return
-    import tensorflow as tf
-
-    parts = [p for p in (x, call_kwargs.get("y"), call_kwargs.get("sample_weight")) if p is not None]
-    split = float(call_kwargs.get("validation_split") or 0.0)
-    if split and call_kwargs.get("validation_data") is None:
-        count = len(_first_array(x))
-        at = int(np.floor(count * (1.0 - split)))
-        call_kwargs["validation_data"] = tuple(_slice(p, at, None) for p in parts)
-        parts = [_slice(p, 0, at) for p in parts]
-    count = len(_first_array(parts[0]))
-    # tf.data reads a Python list as one tensor: lists of arrays (multi-input/output) must be tuples.
-    dataset = tf.data.Dataset.from_tensor_slices(tuple(keras.tree.lists_to_tuples(p) for p in parts))
-    dataset = dataset.shuffle(count, seed=seed, reshuffle_each_iteration=True)
-    batch_size = call_kwargs.get("batch_size") or 32
-    call_kwargs.update(x=dataset.batch(batch_size), y=None, sample_weight=None, batch_size=None,
-                       shuffle=False, validation_split=0.0)
-
-
-def _all_arrays(value, allow_none=False):
-    import numpy as np
-
-    if value is None:
-        return allow_none
-    if isinstance(value, np.ndarray):
-        return True
-    if isinstance(value, (list, tuple)) and value:
-        return all(isinstance(v, np.ndarray) for v in value)
-    if isinstance(value, dict) and value:
-        return all(isinstance(v, np.ndarray) for v in value.values())
-    return False
-
-
-def _first_array(value):
-    if isinstance(value, dict):
-        return next(iter(value.values()))
-    if isinstance(value, (list, tuple)):
-        return value[0]
-    return value
-
-
-def _slice(value, start, stop):
-    if isinstance(value, dict):
-        return {k: v[start:stop] for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(v[start:stop] for v in value)
-    return value[start:stop]
+    if call_kwargs.get("shuffle", True):
+        arrays_as_dataset(call_kwargs, seed)
 
 
 _scratch = []

@@ -49,7 +49,8 @@ def main(outdir, hosts_file, plan):
     model = common.build_model()
     # Rank-dependent start: only the elastic sync makes a worker (a new one included) match rank 0.
     model.set_weights(common.initial_weights(0 if hvd.rank() == 0 else 100 + os.getpid() % 1000))
-    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", distribute="horovod")
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                  distribute=kerasdist.horovod(batch_size_per_worker=True))  # global batch grows with the workers
     state = plugin.KerasElasticState(model)
     log(event="start", weights=flat(model.get_weights()))
 

@@ -18,9 +18,13 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvd_common as common  # noqa: E402
+from equivalence_script import CountSteps  # noqa: E402
 
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+GLOBAL = 2 * common.BATCH  # batch_size is the global batch: each of the 2 ranks takes BATCH of it
 
 
 def rank_and_size():
@@ -56,13 +60,13 @@ def suite(outdir):
 
     # 1. Equivalence: rank-dependent initial weights (rank 0's win through the broadcast).
     model = compiled(common.initial_weights(0 if rank == 0 else 100 + rank), keras.optimizers.SGD(0.1))
-    history = model.fit(x, y, batch_size=common.BATCH, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
     out["equivalence_weights"] = model.get_weights()
     out["equivalence_loss"] = np.array(history.history["loss"])
     out["equivalence_mae"] = np.array(history.history["mae"])
-    out["evaluate"] = np.array(model.evaluate(x, y, batch_size=common.BATCH, verbose=0))
+    out["evaluate"] = np.array(model.evaluate(x, y, batch_size=GLOBAL, verbose=0))
 
-    # 2. fp16 compression: one step, each rank on its own batch (no sharding), lr 1.
+    # 2. fp16 compression: one step, each rank on its own batch (shard=False: batches are as given), lr 1.
     local_x, local_y = common.batch(x, y, rank)
     w0 = common.initial_weights(1)
     model = compiled(w0, keras.optimizers.SGD(1.0), compression="fp16", shard=False)
@@ -74,7 +78,7 @@ def suite(outdir):
         record = Record()
         model = compiled(common.initial_weights(2), keras.optimizers.SGD(0.05), backward_passes_per_step=2,
                          average_aggregated_gradients=average)
-        model.fit(x, y, batch_size=common.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[record])
+        model.fit(x, y, batch_size=GLOBAL, epochs=1, shuffle=False, verbose=0, callbacks=[record])
         out[f"passes_average{average}_weights"] = model.get_weights()
         out[f"passes_average{average}_seen"] = record.weights
         out[f"passes_average{average}_iterations"] = int(model.optimizer.iterations.numpy())
@@ -88,20 +92,20 @@ def suite(outdir):
     out["pretrained_before"] = [v.numpy() for v in model.weights] + [v.numpy() for v in optimizer.variables]
     model.compile(optimizer=optimizer, loss="mse", distribute="horovod")
     record = Record()
-    model.fit(x, y, batch_size=common.BATCH, epochs=1, verbose=0, callbacks=[record])
+    model.fit(x, y, batch_size=GLOBAL, epochs=1, verbose=0, callbacks=[record])
     out["pretrained_at_start"] = record.weights[0] + record.optimizer_state[0]
 
     # 5. LR scaling by the world size and warm-up over 2 epochs (2 steps per epoch).
     record = Record()
     model = compiled(common.initial_weights(3), keras.optimizers.SGD(0.1), scale_learning_rate=True,
                      warmup_epochs=2)
-    model.fit(x[:4 * common.BATCH], y[:4 * common.BATCH], batch_size=common.BATCH, epochs=3, verbose=0,
+    model.fit(x[:4 * common.BATCH], y[:4 * common.BATCH], batch_size=GLOBAL, epochs=3, verbose=0,
               callbacks=[record])
     out["warmup_lrs"] = np.array(record.lrs)
 
     # 6. Chief-only callbacks and progress: every rank asks for files named after its rank.
     model = compiled(common.initial_weights(4), keras.optimizers.SGD(0.1))
-    model.fit(x, y, batch_size=common.BATCH, epochs=1, verbose=2, callbacks=[
+    model.fit(x, y, batch_size=GLOBAL, epochs=1, verbose=2, callbacks=[
         keras.callbacks.ModelCheckpoint(os.path.join(outdir, f"checkpoint_rank{rank}.weights.h5"),
                                         save_weights_only=True),
         keras.callbacks.CSVLogger(os.path.join(outdir, f"log_rank{rank}.csv"))])
@@ -112,6 +116,13 @@ def suite(outdir):
         out["adasum_error"] = ""
     except kerasdist.KerasdistError as exc:
         out["adasum_error"] = str(exc)
+
+    # 8. batch_size_per_worker=True: Horovod's semantics, batch_size per rank (global = BATCH x 2).
+    model = compiled(common.initial_weights(0), keras.optimizers.SGD(0.1), batch_size_per_worker=True)
+    steps = CountSteps()
+    model.fit(x, y, batch_size=common.BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[steps])
+    out["per_worker_weights"] = model.get_weights()
+    out["per_worker_steps"] = np.array(steps.steps)
 
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **{k: _array(v) for k, v in out.items()})
     print(f"rank {rank}/{size}: suite done", flush=True)

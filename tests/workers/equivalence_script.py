@@ -1,0 +1,107 @@
+"""One training script for the equivalence matrix: only the ``distribute=`` word changes.
+
+    python tests/workers/equivalence_script.py --out FILE.npz [--distribute WORD] [--options JSON]
+        [--precision float32|mixed_float16|mixed_bfloat16] [--accumulation N]
+        [--batchnorm none|local|sync] [--small-last-batch] [--examples N] [--batch B] [--epochs E]
+
+``--distribute`` defaults to ``$KERASDIST_EQUIVALENCE_DISTRIBUTE`` or "none" (plain Keras, no
+``distribute=``). ``--batch`` is the global batch: the same number for every word. ``--options`` is
+a JSON object of strategy options (``kerasdist.spec(word, **options)``). The chief (rank 0, or the
+only process) writes FILE.npz: ``steps`` (steps in each epoch) and ``w0, w1, ...`` (final weights,
+float32) and prints ``EQUIVALENCE steps=[...]``.
+"""
+
+import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any TensorFlow op
+
+import argparse
+import json
+import os
+
+import keras
+import numpy as np
+
+FEATURES, HIDDEN, CLASSES = 6, 8, 3
+
+
+def parse(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--distribute", default=os.environ.get("KERASDIST_EQUIVALENCE_DISTRIBUTE", "none"))
+    parser.add_argument("--options", default="{}", help="JSON object of strategy options")
+    parser.add_argument("--precision", default="float32",
+                        choices=("float32", "mixed_float16", "mixed_bfloat16"))
+    parser.add_argument("--accumulation", type=int, default=1, help="optimizer gradient_accumulation_steps")
+    parser.add_argument("--batchnorm", default="none", choices=("none", "local", "sync"),
+                        help="add a BatchNormalization layer (sync: synchronized=True)")
+    parser.add_argument("--small-last-batch", action="store_true",
+                        help="feed a tf.data.Dataset of --examples rounded to whole batches plus one "
+                             "example: its last batch has 1 example, fewer than the replicas")
+    parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="global batch size")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--job-tag", default="", help="ignored: lets a test find this job's processes")
+    return parser.parse_args(argv)
+
+
+def data(examples):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(examples, FEATURES)).astype("float32")
+    y = np.tanh(x[:, :CLASSES] * 1.5 + rng.normal(0.0, 0.1, size=(examples, CLASSES))).astype("float32")
+    return x, y
+
+
+def build_model(batchnorm):
+    layers = [keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="tanh")]
+    if batchnorm != "none":
+        layers.append(keras.layers.BatchNormalization(synchronized=batchnorm == "sync"))
+    layers.append(keras.layers.Dense(CLASSES))
+    model = keras.Sequential(layers)
+    rng = np.random.default_rng(1)  # the same start everywhere, independent of Keras's seeding
+    model.set_weights([rng.normal(0.0, 0.5, size=w.shape).astype(w.dtype) if "gamma" not in w.path
+                       and "variance" not in w.path else np.ones(w.shape, w.dtype) for w in model.weights])
+    return model
+
+
+class CountSteps(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.steps.append(0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps[-1] += 1
+
+
+def main(argv=None):
+    args = parse(argv)
+    keras.utils.set_random_seed(7)
+    keras.mixed_precision.set_global_policy(args.precision)
+    examples = args.examples // args.batch * args.batch + 1 if args.small_last_batch else args.examples
+    x, y = data(examples)
+    model = build_model(args.batchnorm)
+    word = None if args.distribute == "none" else args.distribute
+    options = json.loads(args.options)
+    distribute = kerasdist.spec(word, **options) if word and options else word
+    optimizer = keras.optimizers.SGD(args.lr, gradient_accumulation_steps=args.accumulation
+                                     if args.accumulation > 1 else None)
+    model.compile(optimizer=optimizer, loss="mse", distribute=distribute)
+    counter = CountSteps()
+    if args.small_last_batch:
+        import tensorflow as tf
+
+        fit_data = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch))
+    else:
+        fit_data = dict(x=x, y=y, batch_size=args.batch, shuffle=False)
+    model.fit(**fit_data, epochs=args.epochs, verbose=0, callbacks=[counter])
+    cluster = kerasdist.detect_cluster()
+    if cluster.is_local or cluster.is_chief:
+        weights = {f"w{i}": np.asarray(w, dtype="float32") for i, w in enumerate(model.get_weights())}
+        np.savez(args.out, steps=np.array(counter.steps), **weights)
+        print(f"EQUIVALENCE steps={counter.steps}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
