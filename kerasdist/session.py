@@ -31,8 +31,32 @@ def strategy_for(spec, cluster, system):
                 raise PluginValidationError(
                     f"Strategy {spec.name!r} is registered but no plugin's kerasdist_create_strategy "
                     f"returned a strategy for {spec!r}.")
+            _check_no_collective_overlap(spec, strategy)
             _strategies[key] = strategy
         return _strategies[key]
+
+
+_collective_owners = []  # (spec, strategy, devices) of the local strategies that run collective ops
+
+
+def _check_no_collective_overlap(spec, strategy):
+    """Two MirroredStrategy objects over shared devices abort each other's collective ops (each numbers
+    its collectives from 1): refuse the second, naming the first."""
+    tf = sys.modules.get("tensorflow")
+    if tf is None or not isinstance(strategy, tf.distribute.MirroredStrategy) or strategy.num_replicas_in_sync < 2:
+        return
+    from .devices import canonical_devices
+
+    devices = set(canonical_devices(strategy.extended.worker_devices))
+    for other_spec, _, other_devices in _collective_owners:
+        shared = devices & other_devices
+        if shared:
+            raise StrategyConflictError(
+                f"distribute={spec!r} would create a second MirroredStrategy over {sorted(shared)}, which "
+                f"{other_spec!r} already uses in this process; TensorFlow's collective ops cannot serve two "
+                "strategies on the same devices (they abort each other). Use the same options as before, or "
+                "train the other configuration in another process.")
+    _collective_owners.append((spec, strategy, devices))
 
 
 def is_tf_strategy(strategy):

@@ -92,5 +92,6 @@ def spec_key(spec):
     """A hashable identity for a spec's options (strategies are cached per key)."""
     if isinstance(spec, StrategyInstance):
         return ("instance", id(spec.strategy))
-    identity = spec.identity() if isinstance(spec, StrategySpec) else spec
-    return (type(spec).__module__, type(spec).__qualname__, spec.name, repr(identity))
+    if isinstance(spec, StrategySpec) and type(spec).identity is not StrategySpec.identity:
+        return ("identity", repr(spec.identity()))  # plugins may share a strategy: same identity, same one
+    return (type(spec).__module__, type(spec).__qualname__, spec.name, repr(spec))

@@ -23,10 +23,18 @@ def test_equal_specs_share_one_strategy_and_both_train():
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
         strategies.append(model.distribute_strategy)
     assert strategies[0] is strategies[1] is strategies[2]
-    other = _model()  # a different strategy over the same devices is safe on CPU: it trains too
-    other.compile(loss="mse", optimizer="sgd", distribute=kerasdist.mirrored(cross_device_ops="reduce_to_one"))
-    other.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    assert other.distribute_strategy is not strategies[0]
+    shared = _model()  # data_parallel on TensorFlow is the same MirroredStrategy
+    shared.compile(loss="mse", optimizer="sgd", distribute="data_parallel")
+    assert shared.distribute_strategy is strategies[0]
+
+
+def test_a_second_different_strategy_over_the_same_devices_is_refused():
+    _model().compile(loss="mse", optimizer="sgd", distribute="mirrored")
+    start = time.monotonic()
+    with pytest.raises(kerasdist.StrategyConflictError, match="second MirroredStrategy over") as info:
+        _model().compile(loss="mse", optimizer="sgd", distribute=kerasdist.mirrored(cross_device_ops="reduce_to_one"))
+    assert "cross_device_ops='reduce_to_one'" in str(info.value) and "another process" in str(info.value)
+    assert time.monotonic() - start < 5
 
 
 @pytest.mark.parametrize("make", [

@@ -37,6 +37,14 @@ class DataParallel(kerasdist.StrategySpec):
     devices: Optional[Sequence[str]] = None
     sync_batch_norm: bool = False
 
+    def identity(self):
+        """On TensorFlow the same strategy as ``mirrored`` over the same devices (they share it)."""
+        if keras_backend() == "tensorflow":
+            from kerasdist.plugin_tools import canonical_devices
+
+            return (canonical_devices(self.devices or local_replica_devices()), "auto")
+        return ("jax", tuple(self.devices or ()))
+
     def __post_init__(self):
         if self.devices is not None and (isinstance(self.devices, str) or not all(
                 isinstance(d, str) for d in self.devices) or not self.devices):
