@@ -52,7 +52,7 @@ NOT_YET = {
     ("bn_sync", "central_storage"): "BatchNormalization fails under central_storage (its moving statistics: "
                                     "the same AggregatingVariable error)",
     ("bn_sync", "horovod"): "Keras's synchronized=True does not reach Horovod ranks: each normalizes alone",
-    **{("small_last_batch", row): _SMALL_LAST for row in ("multiworker", "horovod")},
+    ("small_last_batch", "multiworker"): _SMALL_LAST,
 }
 needs_horovod = run_if(horovod=True)
 
