@@ -49,9 +49,9 @@ NOT_YET = {
     ("mixed_float16", "central_storage"): "LossScaleOptimizer's step counter and loss scale are assigned in "
                                           "replica context: CentralStorageStrategy refuses (AggregatingVariable "
                                           "without an aggregation)",
-    ("bn_sync", "central_storage"): "BatchNormalization fails under central_storage (its moving statistics: "
-                                    "the same AggregatingVariable error)",
-    ("bn_sync", "horovod"): "Keras's synchronized=True does not reach Horovod ranks: each normalizes alone",
+    ("bn_sync", "central_storage"): "no sync_batch_norm option (refused by name); its BatchNormalization also "
+                                    "fails: the moving statistics hit the same AggregatingVariable error",
+    ("bn_sync", "horovod"): "no sync_batch_norm option (refused by name): each rank normalizes alone",
     ("small_last_batch", "multiworker"): _SMALL_LAST,
 }
 needs_horovod = run_if(horovod=True)
