@@ -1,5 +1,7 @@
 """Gradients: Horovod's DistributedOptimizer for Keras 3, on ``horovod.tensorflow`` ops."""
 
+import weakref
+
 import kerasdist
 
 from .options import compression_name, is_compressor, op_name
@@ -63,8 +65,8 @@ class GradientReducer:
 
     def count_rows(self, model):
         """Record each traced step's number of rows on this rank (through ``model.compute_loss``)."""
-        if getattr(model, "_kerasdist_horovod_rows", None) is not None:
-            model._kerasdist_horovod_rows.reducer = self
+        if model in _row_counters:
+            _row_counters[model].reducer = self
             return
         import tensorflow as tf
 
@@ -80,7 +82,7 @@ class GradientReducer:
             return original(*args, **kwargs)
 
         object.__setattr__(model, "compute_loss", compute_loss)
-        object.__setattr__(model, "_kerasdist_horovod_rows", holder)
+        _row_counters[model] = holder
 
     def apply(self, optimizer, apply_gradients, grads, variables):
         """All-reduce (every ``passes``-th call, of the local sum) and apply."""
@@ -128,6 +130,10 @@ class GradientReducer:
             return tf.constant(False)
 
         tf.cond(self.counter >= self.passes, reduce_and_apply, count_step_only)
+
+
+#: model -> the holder its ``compute_loss`` wrapper records rows into (the latest reducer)
+_row_counters = weakref.WeakKeyDictionary()
 
 
 def _times(gradient, factor):
