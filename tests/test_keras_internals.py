@@ -1,6 +1,6 @@
 """Fails loudly when a Keras release changes the private attributes kerasdist relies on.
 
-Everything checked here is used only in kerasdist/_keras_internals.py.
+Everything checked here is used only in kerasdist/_keras_internals/.
 """
 
 import keras
@@ -13,7 +13,7 @@ from kerasdist import _keras_internals as internals
 def test_running_keras_is_a_checked_version():
     assert internals.keras_version_checked(), (
         f"Keras {keras.__version__} is not among {internals.CHECKED_KERAS_VERSIONS}: re-check every private "
-        "attribute in kerasdist/_keras_internals.py against it, run this file, then add the version.")
+        "attribute in kerasdist/_keras_internals/ against it, run this file, then add the version.")
 
 
 def _model():
