@@ -35,7 +35,7 @@ FLOAT16_HALF_ULP = 2.0 ** -11
 COLUMNS = {
     "float32": ([], 1e-5),
     "mixed_float16": (["--precision", "mixed_float16"], "float16"),
-    "bn_sync": (["--batchnorm", "sync"], 1e-5),
+    "bn_sync": (["--batchnorm", "local", "--options", '{"sync_batch_norm": true}'], 1e-5),
     "accumulation_2": (["--accumulation", "2"], 1e-5),
     "small_last_batch": (["--small-last-batch"], 1e-5),
 }

@@ -27,7 +27,7 @@ def parse(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--distribute", default=os.environ.get("KERASDIST_EQUIVALENCE_DISTRIBUTE", "none"))
-    parser.add_argument("--options", default="{}", help="JSON object of strategy options")
+    parser.add_argument("--options", default="{}", help="JSON object of strategy options (plain Keras: ignored)")
     parser.add_argument("--precision", default="float32",
                         choices=("float32", "mixed_float16", "mixed_bfloat16"))
     parser.add_argument("--accumulation", type=int, default=1, help="optimizer gradient_accumulation_steps")
