@@ -409,4 +409,5 @@ def symbolic_build(model, data_batch):
 
 
 from .training import (accumulate_across_replicas, keras_tree, lay_out_variables,  # noqa: E402,F401
-                       synchronize_batch_norm, variable_layout, weight_replicas_by_batch_share)
+                       set_batch_share_weighting, synchronize_batch_norm, variable_layout,
+                       weight_replicas_by_batch_share)

@@ -30,40 +30,51 @@ def variable_layout(variable):
 
 # -- uneven per-replica batches (mirrored, central_storage) -----------------------------------------
 
-def weight_replicas_by_batch_share(model, optimizer, strategy):
-    """Make training under ``strategy`` equal to one device when a global batch does not split evenly
+class _BatchShare:
+    """Per model: whether to weight replicas by their batch share, and each replica's batch (per thread:
+    MirroredStrategy traces each replica in its own thread)."""
+
+    def __init__(self, replicas=None, sum_counts=None):
+        import threading
+
+        self.enabled, self.replicas, self.sum_counts = True, replicas, sum_counts
+        self.local = threading.local()
+
+
+def weight_replicas_by_batch_share(model, optimizer, strategy=None, *, replicas=None, sum_counts=None):
+    """Make training equal to one device when a global batch does not split evenly over the replicas
     (a last batch of 1 over 2 replicas leaves one replica empty). Idempotent.
 
-    Keras averages each replica's mean loss (1/R each); the global mean needs each replica weighted by
-    its share of the batch, n_r * R / N. The factor multiplies the loss in ``optimizer.scale_loss``
-    (public; called after the loss metric is updated, so logs stay per-example means), with n_r recorded
-    by a ``model.compute_loss`` wrapper (public) and N summed over the replicas. Keras's first-batch
-    build (``Trainer._maybe_symbolic_build``, private; Keras 3.15) averages the replicas' batches,
-    which fails for unequal shapes: it builds from the first replica's batch instead.
+    Keras averages each replica's mean loss; the global mean needs each replica weighted by its share of
+    the batch, n_r * R / N. The factor multiplies the loss in ``optimizer.scale_loss`` (public; called
+    after the loss metric is updated, so logs stay per-example means), with n_r recorded by a
+    ``model.compute_loss`` wrapper (public) and N summed over the replicas: by the strategy's replica
+    context, or by ``sum_counts`` over ``replicas`` processes of one replica each (Horovod). Under a
+    tf.distribute strategy, Keras's first-batch build (``Trainer._maybe_symbolic_build``, private;
+    Keras 3.15) averages the replicas' batches, which fails for unequal shapes: it builds from the first
+    replica's batch instead.
     """
-    import threading
-
     import tensorflow as tf
 
-    if getattr(model, "_kerasdist_uneven", None) is not None:
-        model._kerasdist_uneven.optimizer = optimizer
-        _wrap_scale_loss(optimizer, model._kerasdist_uneven)
+    state = getattr(model, "_kerasdist_uneven", None)
+    if state is not None:
+        _wrap_scale_loss(optimizer, state)
         return
-    state = threading.local()  # MirroredStrategy traces each replica in its own thread
-    state.optimizer = optimizer
-    model._kerasdist_uneven = state
+    state = model._kerasdist_uneven = _BatchShare(replicas, sum_counts)
     original_compute_loss = model.compute_loss
     with_training = "training" in inspect.signature(original_compute_loss).parameters
 
     def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
         leaf = next((t for t in keras_tree().flatten(y_pred) if t is not None), None)
-        state.batch = tf.shape(leaf)[0] if leaf is not None else None
+        state.local.batch = tf.shape(leaf)[0] if leaf is not None else None
         if with_training:
             return original_compute_loss(x, y, y_pred, sample_weight, training=training)
         return original_compute_loss(x, y, y_pred, sample_weight)
 
     model.compute_loss = compute_loss
     _wrap_scale_loss(optimizer, state)
+    if strategy is None:
+        return
 
     def maybe_symbolic_build(iterator=None, data_batch=None):
         if iterator is not None:
@@ -79,6 +90,15 @@ def weight_replicas_by_batch_share(model, optimizer, strategy):
     model._maybe_symbolic_build = maybe_symbolic_build
 
 
+def set_batch_share_weighting(model, enabled):
+    """Turn the weighting of :func:`weight_replicas_by_batch_share` on or off for the next ``fit`` (it
+    costs one small all-reduce per step; off when every batch splits evenly). Retraces when it changes."""
+    state = getattr(model, "_kerasdist_uneven", None)
+    if state is not None and state.enabled != bool(enabled):
+        state.enabled = bool(enabled)
+        model.train_function = None
+
+
 def _wrap_scale_loss(optimizer, state):
     import tensorflow as tf
 
@@ -88,14 +108,18 @@ def _wrap_scale_loss(optimizer, state):
     optimizer._kerasdist_scale_loss = original
 
     def scale_loss(loss):
-        context = tf.distribute.get_replica_context()
-        batch = getattr(state, "batch", None)
-        if context is None or batch is None or context.num_replicas_in_sync == 1:
+        batch = getattr(state.local, "batch", None)
+        if not state.enabled or batch is None:
             return original(loss)
         local = tf.cast(batch, loss.dtype)
-        total = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-        share = tf.math.divide_no_nan(local * context.num_replicas_in_sync, total)
-        return original(loss * share)
+        if state.sum_counts is not None:
+            replicas, total = state.replicas, tf.cast(state.sum_counts(local), loss.dtype)
+        else:
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1:
+                return original(loss)
+            replicas, total = context.num_replicas_in_sync, context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+        return original(loss * tf.math.divide_no_nan(local * replicas, total))
 
     optimizer.scale_loss = scale_loss
 
