@@ -152,12 +152,6 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
     if spec.scale_learning_rate and not reducer.lr_scaled:
         scale_learning_rate(optimizer, hvd.size())
         reducer.lr_scaled = True
-    from kerasdist.plugin_tools import weight_replicas_by_batch_share
-
-    # ranks given unequal shares of a global batch count by their share, as on one device
-    weight_replicas_by_batch_share(model, optimizer, replicas=hvd.size(),
-                                   sum_counts=lambda count: hvd.allreduce(count, op=hvd.Sum,
-                                                                          name="kerasdist_batch_share"))
     reducer.warmup_target_lr = getattr(previous, "warmup_target_lr", None)
     if spec.warmup_epochs:
         if not constant_learning_rate(optimizer):
@@ -207,11 +201,6 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
         callbacks[:] = [c for c in callbacks if not chief_only(c)]
     if size == 1:
         return
-    if method == "fit":
-        from kerasdist.plugin_tools import may_split_unevenly, set_batch_share_weighting
-
-        set_batch_share_weighting(model, spec.shard and not spec.batch_size_per_worker
-                                  and may_split_unevenly(call_kwargs, size))
     if spec.shard and method in ("fit", "evaluate"):
         if spec.batch_size_per_worker:
             if rank == 0 and method == "fit":
