@@ -47,11 +47,9 @@ NOT_YET = {
     ("mixed_float16", "central_storage"): "LossScaleOptimizer's step counter and loss scale are assigned in "
                                           "replica context: CentralStorageStrategy refuses (AggregatingVariable "
                                           "without an aggregation)",
-    ("bn_sync", "central_storage"): "BatchNormalization fails under central_storage (its moving statistics: "
-                                    "the same AggregatingVariable error)",
-    ("bn_sync", "horovod"): "Keras's synchronized=True does not reach Horovod ranks: each normalizes alone",
-    ("small_last_batch", "horovod"): "ranks are weighted by their batch share (as mirrored/multiworker), but a "
-                                     "0.049 difference remains with tf.data input under Horovod: not found yet",
+    ("bn_sync", "central_storage"): "no sync_batch_norm option (refused by name); its BatchNormalization also "
+                                    "fails: the moving statistics hit the same AggregatingVariable error",
+    ("bn_sync", "horovod"): "no sync_batch_norm option (refused by name): each rank normalizes alone",
 }
 needs_horovod = run_if(horovod=True)
 

@@ -273,7 +273,7 @@ def test_unavailable_horovod_is_listed_with_reason_and_build_command(horovod_mis
     ({"gradient_predivide_factor": 2.0, "op": "sum"}, "gradient_predivide_factor=2.0 needs op='average'"),
     ({"op": "adasum", "average_aggregated_gradients": True}, "average_aggregated_gradients=True"),
     ({"warmup_epochs": -1}, "warmup_epochs=-1 is not valid"),
-    ({"batch_size_per_worker": "yes"}, "batch_size_per_worker='yes' is not valid; give True"),
+    ({"batch_size_per_worker": "yes"}, "batch_size_per_worker='yes' is not valid"),
     ({"batch_size_per_worker": True, "shard": False}, "batch_size_per_worker=True has no meaning with shard=False"),
 ])
 def test_bad_options_are_rejected_by_name(options, phrase):

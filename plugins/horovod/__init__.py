@@ -149,6 +149,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
     reducer = GradientReducer(hvd, spec, name=f"kerasdist_gradients_{_optimizers_wrapped}")
     reducer.lr_scaled = getattr(previous, "lr_scaled", False)
     distribute_optimizer(optimizer, reducer)
+    reducer.count_rows(model)  # weights each rank's gradient by its rows: uneven parts train as one batch
     if spec.scale_learning_rate and not reducer.lr_scaled:
         scale_learning_rate(optimizer, hvd.size())
         reducer.lr_scaled = True

@@ -78,7 +78,9 @@ def split_call_data(call_kwargs, rank, size, method, seed):
     a dataset shuffled alike on every rank with ``seed``); validation arrays likewise."""
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
     x = call_kwargs.get("x")
-    if is_dataset(x) or arrays_as_dataset(call_kwargs, shuffle, method):
+    if is_dataset(x):
+        pass  # split by kerasdist_prepare_dataset already
+    elif arrays_as_dataset(call_kwargs, shuffle, method):
         call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
     elif x is not None:
         _not_split_warning(method, x)

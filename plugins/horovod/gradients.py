@@ -19,6 +19,7 @@ class GradientReducer:
         self.sparse_as_dense = spec.sparse_as_dense
         self.predivide = float(spec.gradient_predivide_factor)
         self.accumulators, self.counter = None, None
+        self.rows = None  # this rank's rows in the step being traced (set by count_rows)
 
     def allreduce(self, grads):
         """All-reduce a list of gradients (None kept); identity on a single process."""
@@ -32,10 +33,23 @@ class GradientReducer:
         sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         prescale, postscale = (1.0 / self.predivide, self.predivide) if self.op == self.hvd.Average else (1.0, 1.0)
         result = list(grads)
+        # Ranks' parts of a batch may differ in size (a small last batch): weight each by its rows. Not
+        # with fp16 compression (rows x gradient could overflow float16) nor accumulation/sum/adasum.
+        weighted = (self.op == self.hvd.Average and self.passes == 1 and self.rows is not None and bool(dense)
+                    and self.compression is self.hvd.Compression.none)
+        if weighted:
+            rows = tf.cast(self.rows, grads[dense[0]].dtype)
+            grads = [_times(g, rows) for g in grads]
+            dense_grads = [grads[i] for i in dense] + [tf.reshape(rows, [1])]
+        else:
+            dense_grads = [grads[i] for i in dense]
         if dense:
-            reduced = self.hvd.grouped_allreduce([grads[i] for i in dense], op=self.op,
-                                                 compression=self.compression, prescale_factor=prescale,
-                                                 postscale_factor=postscale, name=self.name)
+            reduced = self.hvd.grouped_allreduce(dense_grads, op=self.op, compression=self.compression,
+                                                 prescale_factor=prescale, postscale_factor=postscale,
+                                                 name=self.name)
+            if weighted:  # mean of rows x gradient over mean of rows: the gradient of the global mean
+                mean_rows = reduced.pop()[0]
+                reduced = [tf.math.divide_no_nan(r, tf.cast(mean_rows, r.dtype)) for r in reduced]
             for i, r in zip(dense, reduced):
                 result[i] = r
         if sparse and (self.op == self.hvd.Adasum or self.predivide != 1.0):
@@ -43,8 +57,30 @@ class GradientReducer:
                 "horovod: sparse gradients (tf.IndexedSlices, e.g. from an Embedding layer) cannot be "
                 "all-reduced with op='adasum' or gradient_predivide_factor != 1; pass sparse_as_dense=True.")
         for n, i in enumerate(sparse):
-            result[i] = self.hvd.allreduce(grads[i], op=self.op, name=f"{self.name}_sparse_{n}")
+            reduced = self.hvd.allreduce(grads[i], op=self.op, name=f"{self.name}_sparse_{n}")
+            result[i] = _times(reduced, 1.0 / mean_rows) if weighted else reduced
         return result
+
+    def count_rows(self, model):
+        """Record each traced step's number of rows on this rank (through ``model.compute_loss``)."""
+        if getattr(model, "_kerasdist_horovod_rows", None) is not None:
+            model._kerasdist_horovod_rows.reducer = self
+            return
+        import tensorflow as tf
+
+        import keras
+
+        holder = type("Rows", (), {"reducer": self})()
+        original = model.compute_loss
+
+        def compute_loss(*args, **kwargs):
+            y_pred = kwargs.get("y_pred", args[2] if len(args) > 2 else None)
+            leaf = next((t for t in keras.tree.flatten(y_pred) if t is not None), None)
+            holder.reducer.rows = tf.shape(leaf)[0] if leaf is not None else None
+            return original(*args, **kwargs)
+
+        object.__setattr__(model, "compute_loss", compute_loss)
+        object.__setattr__(model, "_kerasdist_horovod_rows", holder)
 
     def apply(self, optimizer, apply_gradients, grads, variables):
         """All-reduce (every ``passes``-th call, of the local sum) and apply."""
@@ -92,6 +128,18 @@ class GradientReducer:
             return tf.constant(False)
 
         tf.cond(self.counter >= self.passes, reduce_and_apply, count_step_only)
+
+
+def _times(gradient, factor):
+    """``gradient`` (dense, ``IndexedSlices`` or None) times a scalar."""
+    import tensorflow as tf
+
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(factor, gradient.values.dtype), gradient.indices,
+                                gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
 
 
 class _AllreduceOptimizerMixin:

@@ -110,10 +110,6 @@ def check_options(spec):
     if op_name(spec.op) == "adasum" and spec.average_aggregated_gradients:
         raise kerasdist.KerasdistError(
             "horovod: op='adasum' does not support average_aggregated_gradients=True; set it to False.")
-    if not isinstance(spec.batch_size_per_worker, bool):
-        raise kerasdist.KerasdistError(
-            f"horovod: batch_size_per_worker={spec.batch_size_per_worker!r} is not valid; give True (batch_size "
-            "is each rank's batch, as in Horovod) or False (batch_size is the global batch).")
     if spec.batch_size_per_worker and not spec.shard:
         raise kerasdist.KerasdistError(
             "horovod: batch_size_per_worker=True has no meaning with shard=False: kerasdist then leaves each "
