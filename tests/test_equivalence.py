@@ -49,7 +49,6 @@ NOT_YET = {
                                           "without an aggregation)",
     ("bn_sync", "central_storage"): "no sync_batch_norm option (refused by name); its BatchNormalization also "
                                     "fails: the moving statistics hit the same AggregatingVariable error",
-    ("bn_sync", "horovod"): "no sync_batch_norm option (refused by name): each rank normalizes alone",
 }
 needs_horovod = run_if(horovod=True)
 

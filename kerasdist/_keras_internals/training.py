@@ -197,19 +197,49 @@ def _accumulate_or_update(distribution, optimizer, steps, grads_and_vars, accumu
     tf.cond(is_update_step, update, accumulate)
 
 
-def synchronize_batch_norm(model):
-    """Turn every ``keras.layers.BatchNormalization`` of ``model`` (nested ones too) into its synchronized
-    form, which reduces the batch statistics over all replicas of the strategy (Keras's own
-    ``synchronized=True``, TensorFlow backend). Returns the number of layers changed.
+def synchronize_batch_norm(model, sum_across=None):
+    """Make every ``keras.layers.BatchNormalization`` of ``model`` (nested ones too) use the statistics of
+    the whole global batch. Under a tf.distribute strategy: Keras's own ``synchronized=True`` (set after
+    construction: ``call`` reads it). With ``sum_across(tensor, name)`` (one replica per process, e.g.
+    Horovod): the layer's moments are the sums of every process's sum, squared sum and count, as Keras's
+    synchronized moments compute them. Returns the number of layers changed.
 
-    Private: ``Layer._flatten_layers`` finds layers nested in custom layers (Keras 3.15); setting
-    ``synchronized`` after construction works because ``call`` reads it (checked by a test).
+    Private: ``Layer._flatten_layers`` finds nested layers; ``BatchNormalization._moments`` is replaced per
+    instance for ``sum_across`` (Keras 3.15; both checked by tests/test_keras_internals.py).
     """
     import keras
 
     changed = 0
     for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized:
+        if not isinstance(layer, keras.layers.BatchNormalization):
+            continue
+        if sum_across is None and not layer.synchronized:
             layer.synchronized = True
             changed += 1
+        elif sum_across is not None and "_moments" not in layer.__dict__:
+            layer._moments = _summed_moments(layer, layer._moments, sum_across)
+            changed += 1
     return changed
+
+
+def _summed_moments(layer, local_moments, sum_across):
+    import tensorflow as tf
+
+    def moments(inputs, mask):
+        if mask is not None:  # masked statistics stay local
+            return local_moments(inputs, mask)
+        axes = list(layer._reduction_axes)
+        x = tf.cast(inputs, tf.float32) if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
+        local_sum = tf.reduce_sum(x, axis=axes, keepdims=True)
+        local_squares = tf.reduce_sum(tf.square(x), axis=axes, keepdims=True)
+        local_count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+        size = tf.size(local_sum)
+        total = sum_across(tf.concat([tf.reshape(local_sum, [-1]), tf.reshape(local_squares, [-1]),
+                                      tf.reshape(local_count, [1])], 0), f"kerasdist_bn_{layer.name}")
+        mean = tf.reshape(tf.math.divide_no_nan(total[:size], total[2 * size]), tf.shape(local_sum))
+        squares = tf.reshape(tf.math.divide_no_nan(total[size:2 * size], total[2 * size]), tf.shape(local_sum))
+        variance = tf.maximum(squares - tf.square(mean), 0.0)
+        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
+        return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+    return moments
