@@ -111,7 +111,7 @@ class Launcher:
         self.out = out or sys.stdout
         self.procs, self._threads = [], []
         self._lock = threading.Lock()
-        self._signal = None
+        self._signal, self._signalled_at = None, None
 
     def say(self, message):
         with self._lock:
@@ -142,6 +142,7 @@ class Launcher:
 
     def _on_signal(self, signum, frame):
         self._signal = signum
+        self._signalled_at = time.monotonic()
         for proc in self.procs:
             _signal_group(proc, signum)
 
@@ -169,6 +170,11 @@ class Launcher:
                 self.stop()
                 return code if code > 0 else 128 - code
             if self._signal is not None and all(c is not None for c in codes):
+                return 128 + self._signal
+            if self._signal is not None and time.monotonic() - self._signalled_at > self.grace:
+                self.say(f"workers still running {self.grace:g} s after {signal.Signals(self._signal).name}; "
+                         "killing them.")
+                self.stop()  # a worker blocked in native code ignores the signal: SIGKILL after the grace
                 return 128 + self._signal
             if all(c == 0 for c in codes):
                 return 0

@@ -14,7 +14,8 @@ import numbers
 import socket
 import sys
 
-from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, bind_model, synchronize_batch_norm, bound_strategy, configure_coordination,
+from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, bind_model,
+                               set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
                                is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
                                move_to_strategy, parameter_server_strategy, route_gradient_all_reduce,
@@ -35,7 +36,7 @@ __all__ = [
     "set_log_summer", "tf_context_initialized", "configure_coordination", "make_chief_aware_backup",
     "parameter_server_strategy", "symbolic_build",
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
-    "accumulate_across_replicas", "synchronize_batch_norm",
+    "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly",
 ]
 
 
@@ -230,3 +231,22 @@ def unique_variables(variables):
             seen.add(id(variable))
             result.append(variable)
     return result
+
+
+def may_split_unevenly(call_kwargs, replicas):
+    """Whether some global batch of this fit may not split evenly over ``replicas`` (NumPy: known from the
+    sizes; a Dataset: unless its batch size is static, divisible, and every batch is full)."""
+    x = call_kwargs.get("x")
+    if is_dataset(x):
+        import tensorflow as tf
+
+        first = next(iter(tf.nest.flatten(x.element_spec)))
+        batch = first.shape[0] if first.shape.rank else None
+        return batch is None or batch % replicas != 0
+    first = x
+    while isinstance(first, (dict, list, tuple)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    if not hasattr(first, "shape") or not len(getattr(first, "shape", ())):
+        return True
+    size, batch = int(first.shape[0]), int(call_kwargs.get("batch_size") or 32)
+    return batch % replicas != 0 or (size % batch) % replicas != 0

@@ -40,8 +40,6 @@ COLUMNS = {
     "small_last_batch": (["--small-last-batch"], 1e-5),
 }
 ROWS = ("mirrored", "central_storage", "multiworker", "horovod")
-_SMALL_LAST = ("a last batch of 1 on 2 workers: each worker's mean loss still counts 1/2 (the per-replica "
-               "weighting of mirrored/data_parallel needs one more collective per step here; not done yet)")
 #: (column, row) cells that do not pass yet, with why; every other cell is asserted. Remove an entry
 #: when its fix lands (accumulation, synchronized BatchNormalization and the small last batch are
 #: the `replicas` work).
@@ -51,8 +49,6 @@ NOT_YET = {
                                           "without an aggregation)",
     ("bn_sync", "central_storage"): "no sync_batch_norm option (refused by name); its BatchNormalization also "
                                     "fails: the moving statistics hit the same AggregatingVariable error",
-    ("bn_sync", "horovod"): "no sync_batch_norm option (refused by name): each rank normalizes alone",
-    ("small_last_batch", "multiworker"): _SMALL_LAST,
 }
 needs_horovod = run_if(horovod=True)
 

@@ -1,6 +1,6 @@
 """Fails loudly when a Keras release changes the private attributes kerasdist relies on.
 
-Everything checked here is used only in kerasdist/_keras_internals.py.
+Everything checked here is used only in kerasdist/_keras_internals/.
 """
 
 import keras
@@ -13,7 +13,7 @@ from kerasdist import _keras_internals as internals
 def test_running_keras_is_a_checked_version():
     assert internals.keras_version_checked(), (
         f"Keras {keras.__version__} is not among {internals.CHECKED_KERAS_VERSIONS}: re-check every private "
-        "attribute in kerasdist/_keras_internals.py against it, run this file, then add the version.")
+        "attribute in kerasdist/_keras_internals/ against it, run this file, then add the version.")
 
 
 def _model():
@@ -271,3 +271,20 @@ def test_batch_norm_can_be_synchronized_after_construction():
     model = keras.Sequential([keras.Input((3,)), inner, keras.layers.BatchNormalization()])
     assert internals.synchronize_batch_norm(model) == 2
     assert all(layer.synchronized for layer in model._flatten_layers() if isinstance(layer, keras.layers.BatchNormalization))
+
+
+def test_batch_norm_moments_summed_across_processes_equal_keras_own():
+    """With one process, summing the sums across processes (identity) gives Keras's own moments."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from kerasdist import _keras_internals as internals
+
+    layer = keras.layers.BatchNormalization()
+    model = keras.Sequential([keras.Input((3,)), layer])
+    x = tf.constant(np.random.default_rng(0).normal(size=(8, 3)), tf.float32)
+    expected = layer._moments(x, None)
+    assert internals.synchronize_batch_norm(model, sum_across=lambda tensor, name: tensor) == 1
+    for got, want in zip(layer._moments(x, None), expected):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)

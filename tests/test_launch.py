@@ -113,6 +113,29 @@ def test_sigterm_is_forwarded_to_every_worker(tmp_path):
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("term")) == ["term-0", "term-1"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_workers_that_ignore_sigterm_are_killed_after_the_grace(tmp_path):
+    proc = subprocess.Popen([KERASDIST, "launch", "-n", "2", "--grace", "2", CHILD, "stubborn", str(tmp_path)],
+                            env=child_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len([n for n in os.listdir(tmp_path) if n.startswith("ready")]) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "workers did not start"
+            time.sleep(0.2)
+        pids = [int((tmp_path / f"ready-{i}").read_text()) for i in range(2)]
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        waited = time.monotonic() - start
+        out = proc.stdout.read().decode()
+    finally:
+        kill_group(proc)
+    assert code == 143 and 2 <= waited < 12, (code, waited)
+    assert "killing them" in out and not any(_alive(pid) for pid in pids)
+
+
 def test_launch_help_and_env_say_what_listens_where(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         cli.main(["launch", "--help"])

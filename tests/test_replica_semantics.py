@@ -97,7 +97,7 @@ def test_synchronized_batch_norm_equals_one_device_and_the_default_does_not(dist
     assert synced <= 1e-5 and local > 1e-3
 
 
-@pytest.mark.parametrize("strategy", ["horovod", "ps", "central_storage"])
+@pytest.mark.parametrize("strategy", ["ps", "central_storage"])
 def test_sync_batch_norm_where_it_cannot_work_is_named(strategy):
     with pytest.raises(kerasdist.KerasdistError, match=f"'{strategy}' has no option 'sync_batch_norm'"):
         kerasdist.spec(strategy, sync_batch_norm=True)

@@ -153,6 +153,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
     if spec.scale_learning_rate and not reducer.lr_scaled:
         scale_learning_rate(optimizer, hvd.size())
         reducer.lr_scaled = True
+    if spec.sync_batch_norm:
+        from kerasdist.plugin_tools import synchronize_batch_norm
+
+        synchronize_batch_norm(model, sum_across=lambda tensor, name: hvd.allreduce(tensor, op=hvd.Sum, name=name))
     reducer.warmup_target_lr = getattr(previous, "warmup_target_lr", None)
     if spec.warmup_epochs:
         if not constant_learning_rate(optimizer):

@@ -45,6 +45,8 @@ class Horovod(kerasdist.StrategySpec):
         ranks in turn (Horovod's semantics: global batch = batch_size x ranks). Default False:
         ``batch_size`` is the global batch, as under every other strategy.
     :param average_metrics: average epoch logs and ``evaluate`` results across ranks.
+    :param sync_batch_norm: BatchNormalization statistics over the whole global batch (one Horovod
+        all-reduce of each layer's sums per step); off by default: each rank normalizes alone.
     """
 
     op: Any = "average"
@@ -57,6 +59,7 @@ class Horovod(kerasdist.StrategySpec):
     warmup_epochs: float = 0.0
     shard: bool = True
     average_metrics: bool = True
+    sync_batch_norm: bool = False
     batch_size_per_worker: bool = False
 
 

@@ -135,8 +135,10 @@ def kerasdist_create_strategy(spec, cluster):
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
     if isinstance(spec, MultiWorker):
-        from kerasdist.plugin_tools import accumulate_across_replicas, synchronize_batch_norm
+        from kerasdist.plugin_tools import (accumulate_across_replicas, synchronize_batch_norm,
+                                            weight_replicas_by_batch_share)
 
+        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
         if spec.sync_batch_norm:
             synchronize_batch_norm(model)
@@ -168,6 +170,10 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         use_ring(model, strategy, method)
     chief = bool(strategy.extended.should_checkpoint)
     if method == "fit":
+        from kerasdist.plugin_tools import may_split_unevenly, set_batch_share_weighting
+
+        # weighting replicas by their batch share costs one small collective per step: only when needed
+        set_batch_share_weighting(model, may_split_unevenly(call_kwargs, strategy.num_replicas_in_sync))
         index = workers.count_fit()
         workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
         if spec.backup:

@@ -3,6 +3,7 @@
 ok:    print a line naming the task, exit 0.
 crash: worker 1 exits 3 at once; the others ignore SIGTERM and start a grandchild, then sleep.
 term:  record SIGTERM in OUT_DIR/term-<index> and exit 143.
+stubborn: ignore SIGTERM and sleep (the launcher must SIGKILL after its grace).
 """
 
 import json
@@ -33,6 +34,10 @@ if mode == "crash":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     grandchild = subprocess.Popen(["sleep", "600"])
     record(f"pids-{index}", f"{os.getpid()} {grandchild.pid}")
+    time.sleep(600)
+if mode == "stubborn":  # ignores SIGTERM, as a worker blocked in native code does
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record(f"ready-{index}", str(os.getpid()))
     time.sleep(600)
 if mode == "term":
     def on_term(signum, frame):

@@ -6,10 +6,13 @@ to the strategy current in its ``__init__`` (``TFOptimizer._distribution_strateg
 kerasdist moves objects built elsewhere under a strategy, which needs those
 private attributes and ``Variable._initialize``. Everything private lives here;
 ``tests/test_keras_internals.py`` fails loudly when a Keras release changes it.
+
+This package is that one module, in parts: strategies, multi-worker and parameter-server training here;
+what a training step and its variables need (uneven batches, gradient accumulation, synchronized batch
+statistics, JAX layouts) in ``training.py``.
 """
 
 import contextlib
-import inspect
 
 #: Keras releases these internals were read and tested against.
 CHECKED_KERAS_VERSIONS = ("3.15",)
@@ -93,7 +96,7 @@ def move_to_strategy(model, strategy, optimizer=None):
     """Move ``model`` (weights, non-trainable state, seed generators, compiled
     metrics) and ``optimizer`` (built or not, trained or not) under ``strategy``,
     values preserved, and bind both to it."""
-    from .plugin_tools import unique_variables
+    from ..plugin_tools import unique_variables
 
     optimizers = _optimizer_chain(optimizer)
     old_keys = {id(o): _trainable_keys(o) for o in optimizers}
@@ -134,7 +137,7 @@ def _rekey_optimizer(optimizer, old_keys):
 
 
 def _all_model_variables(model):
-    from .plugin_tools import unique_variables
+    from ..plugin_tools import unique_variables
 
     return unique_variables(list(model.variables) + list(_metric_variables(model)))
 
@@ -405,189 +408,6 @@ def symbolic_build(model, data_batch):
     model._symbolic_build(data_batch=data_batch)
 
 
-# -- keras.distribution on JAX (kerasdist_plugins.keras_distribution) --------------------------------
-
-def lay_out_variables(variables, layout_of):
-    """Give each Keras variable (JAX backend) ``layout_of(variable)``, a ``keras.distribution.TensorLayout``,
-    and move its value there, as creating it under a distribution would have done. Variables that already
-    have a layout (built under the user's own distribution) keep it. Returns the variables moved.
-
-    Private: ``Variable._layout`` (read by ``Distribution.get_variable_layout`` and by optimizers for their
-    slots) and ``JaxVariable._direct_assign`` (which distributes the value by the layout); Keras 3.15.
-    """
-    moved = []
-    for variable in variables:
-        if getattr(variable, "_layout", None) is not None:
-            continue
-        variable._layout = layout_of(variable)
-        variable._direct_assign(variable.value)
-        moved.append(variable)
-    return moved
-
-
-def variable_layout(variable):
-    """The ``keras.distribution.TensorLayout`` a variable was given, or None."""
-    return getattr(variable, "_layout", None)
-
-
-# -- uneven per-replica batches (mirrored, central_storage) -----------------------------------------
-
-def weight_replicas_by_batch_share(model, optimizer, strategy):
-    """Make training under ``strategy`` equal to one device when a global batch does not split evenly
-    (a last batch of 1 over 2 replicas leaves one replica empty). Idempotent.
-
-    Keras averages each replica's mean loss (1/R each); the global mean needs each replica weighted by
-    its share of the batch, n_r * R / N. The factor multiplies the loss in ``optimizer.scale_loss``
-    (public; called after the loss metric is updated, so logs stay per-example means), with n_r recorded
-    by a ``model.compute_loss`` wrapper (public) and N summed over the replicas. Keras's first-batch
-    build (``Trainer._maybe_symbolic_build``, private; Keras 3.15) averages the replicas' batches,
-    which fails for unequal shapes: it builds from the first replica's batch instead.
-    """
-    import threading
-
-    import tensorflow as tf
-
-    if getattr(model, "_kerasdist_uneven", None) is not None:
-        model._kerasdist_uneven.optimizer = optimizer
-        _wrap_scale_loss(optimizer, model._kerasdist_uneven)
-        return
-    state = threading.local()  # MirroredStrategy traces each replica in its own thread
-    state.optimizer = optimizer
-    model._kerasdist_uneven = state
-    original_compute_loss = model.compute_loss
-    with_training = "training" in inspect.signature(original_compute_loss).parameters
-
-    def compute_loss(x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        leaf = next((t for t in keras_tree().flatten(y_pred) if t is not None), None)
-        state.batch = tf.shape(leaf)[0] if leaf is not None else None
-        if with_training:
-            return original_compute_loss(x, y, y_pred, sample_weight, training=training)
-        return original_compute_loss(x, y, y_pred, sample_weight)
-
-    model.compute_loss = compute_loss
-    _wrap_scale_loss(optimizer, state)
-
-    def maybe_symbolic_build(iterator=None, data_batch=None):
-        if iterator is not None:
-            for _, _, it in iterator:
-                batch = next(it)
-                data_batch = keras_tree().map_structure(
-                    lambda v: strategy.experimental_local_results(v)[0]
-                    if isinstance(v, tf.distribute.DistributedValues) else v, batch)
-                break
-        with strategy.scope():
-            model._symbolic_build(data_batch=data_batch)
-
-    model._maybe_symbolic_build = maybe_symbolic_build
-
-
-def _wrap_scale_loss(optimizer, state):
-    import tensorflow as tf
-
-    if getattr(optimizer, "_kerasdist_scale_loss", None) is not None:
-        return
-    original = optimizer.scale_loss
-    optimizer._kerasdist_scale_loss = original
-
-    def scale_loss(loss):
-        context = tf.distribute.get_replica_context()
-        batch = getattr(state, "batch", None)
-        if context is None or batch is None or context.num_replicas_in_sync == 1:
-            return original(loss)
-        local = tf.cast(batch, loss.dtype)
-        total = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-        share = tf.math.divide_no_nan(local * context.num_replicas_in_sync, total)
-        return original(loss * share)
-
-    optimizer.scale_loss = scale_loss
-
-
-def keras_tree():
-    import keras
-
-    return keras.tree
-
-
-# -- gradient accumulation under a tf.distribute strategy --------------------------------------------
-
-def accumulate_across_replicas(optimizer, strategy):
-    """Make Keras's ``gradient_accumulation_steps`` work under ``strategy``. Idempotent.
-
-    Keras accumulates inside ``ops.cond`` and the update step then calls ``merge_call`` inside the
-    branch, which tf.distribute refuses ("merge_call called while defining a new graph"). Here the
-    micro-batch gradients are all-reduced first, every step (``_all_reduce_sum_gradients``, routed as
-    the strategy's plugin set it), and the accumulate-or-update decision runs in cross-replica
-    context. Replaces the instance's ``_backend_apply_gradients`` (private; Keras 3.15 TFOptimizer).
-    """
-    import tensorflow as tf
-
-    if not optimizer.gradient_accumulation_steps or getattr(optimizer, "_kerasdist_accumulates", False):
-        return
-    unsupported = [name for name in ("clipnorm", "clipvalue", "global_clipnorm", "use_ema")
-                   if getattr(optimizer, name, None)]
-    if unsupported:
-        from .errors import KerasdistError
-
-        raise KerasdistError(
-            f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} with {', '.join(unsupported)} is "
-            f"not supported under {type(strategy).__name__}; drop {unsupported[0]}, or accumulate by a larger "
-            "global batch_size instead.")
-    optimizer._kerasdist_accumulates = True
-    steps = optimizer.gradient_accumulation_steps
-
-    def backend_apply_gradients(grads, trainable_variables):
-        grads_and_vars = optimizer._all_reduce_sum_gradients(
-            list(zip(grads, [v.value for v in trainable_variables])))
-        accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)].value
-                        for v in trainable_variables]  # the tf.Variables behind Keras's variables
-        tf.distribute.get_replica_context().merge_call(
-            _accumulate_or_update, args=(optimizer, steps, grads_and_vars, accumulators, trainable_variables))
-
-    optimizer._backend_apply_gradients = backend_apply_gradients
-
-
-def _accumulate_or_update(distribution, optimizer, steps, grads_and_vars, accumulators, trainable_variables):
-    import tensorflow as tf
-
-    def update():
-        update_pairs = []
-        for (grad, var), acc in zip(grads_and_vars, accumulators):  # acc := (acc + grad) / steps, the update
-            distribution.extended.update(acc, lambda a, g: a.assign((a + g) / steps), args=(grad,), group=False)
-            update_pairs.append((acc, var))
-        if optimizer.weight_decay:
-            for variable in trainable_variables:
-                if optimizer._use_weight_decay(variable):
-                    rate = optimizer.weight_decay * optimizer.learning_rate
-                    distribution.extended.update(
-                        variable.value, lambda v, r: v.assign_sub(v * tf.cast(r, v.dtype)), args=(rate,),
-                        group=False)
-        optimizer._distributed_tf_update_step(distribution, update_pairs, optimizer.learning_rate)
-        for acc in accumulators:
-            distribution.extended.update(acc, lambda a: a.assign(tf.zeros_like(a)), group=False)
-        return tf.constant(True)
-
-    def accumulate():
-        for (grad, _), acc in zip(grads_and_vars, accumulators):
-            distribution.extended.update(acc, lambda a, g: a.assign_add(g), args=(grad,), group=False)
-        return tf.constant(False)
-
-    is_update_step = (optimizer._iterations + 1) % steps == 0
-    tf.cond(is_update_step, update, accumulate)
-
-
-def synchronize_batch_norm(model):
-    """Turn every ``keras.layers.BatchNormalization`` of ``model`` (nested ones too) into its synchronized
-    form, which reduces the batch statistics over all replicas of the strategy (Keras's own
-    ``synchronized=True``, TensorFlow backend). Returns the number of layers changed.
-
-    Private: ``Layer._flatten_layers`` finds layers nested in custom layers (Keras 3.15); setting
-    ``synchronized`` after construction works because ``call`` reads it (checked by a test).
-    """
-    import keras
-
-    changed = 0
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized:
-            layer.synchronized = True
-            changed += 1
-    return changed
+from .training import (accumulate_across_replicas, keras_tree, lay_out_variables,  # noqa: E402,F401
+                       set_batch_share_weighting, synchronize_batch_norm, variable_layout,
+                       weight_replicas_by_batch_share)
