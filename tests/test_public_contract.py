@@ -19,7 +19,7 @@ PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.compiler", "ten
 #: What a plugin may import from kerasdist.
 PUBLIC_KERASDIST = ("kerasdist", "kerasdist.plugin_tools")
 #: Private attributes kerasdist sets on objects itself (its own state, not Keras's).
-OWN_PRIVATE_ATTRIBUTES = {"_kerasdist_session", "_kerasdist_name", "_kerasdist_horovod", "_kerasdist_horovod_rows"}
+OWN_PRIVATE_ATTRIBUTES = {"_kerasdist_session", "_kerasdist_name", "_kerasdist_horovod"}
 #: Public functions with a leading underscore (the standard library's, documented as public).
 PUBLIC_UNDERSCORE_CALLS = {("os", "_exit")}
 
