@@ -14,7 +14,7 @@ import numbers
 import socket
 import sys
 
-from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, bind_model,
+from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, all_layers, bind_model,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
                                is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
@@ -36,7 +36,7 @@ __all__ = [
     "set_log_summer", "tf_context_initialized", "configure_coordination", "make_chief_aware_backup",
     "parameter_server_strategy", "symbolic_build",
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
-    "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly",
+    "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers",
 ]
 
 

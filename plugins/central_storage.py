@@ -51,5 +51,29 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, CentralStorage):
         from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
 
+        _refuse_what_fails_in_fit(model)
+
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+
+
+def _refuse_what_fails_in_fit(model):
+    """What CentralStorageStrategy cannot run in Keras 3.15 fails here, not deep inside fit: variables that
+    Keras assigns in replica context without an aggregation (the loss scale of mixed precision, the moving
+    statistics of BatchNormalization) are AggregatingVariables there, which refuse such assignments."""
+    import keras
+
+    from kerasdist.plugin_tools import all_layers
+
+    policy = keras.mixed_precision.global_policy().name
+    if policy.startswith("mixed"):
+        raise kerasdist.KerasdistError(
+            f"central_storage: the mixed precision policy {policy!r} cannot train under CentralStorageStrategy "
+            "(its loss scale is assigned in replica context, which the strategy refuses); use "
+            "distribute='mirrored', or the 'float32' policy.")
+    norms = sorted({layer.name for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)})
+    if norms:
+        raise kerasdist.KerasdistError(
+            f"central_storage: BatchNormalization layers {norms} cannot train under CentralStorageStrategy (their "
+            "moving statistics are assigned in replica context, which the strategy refuses); use "
+            "distribute='mirrored' (with sync_batch_norm=True for whole-batch statistics).")

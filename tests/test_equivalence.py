@@ -44,11 +44,10 @@ ROWS = ("mirrored", "central_storage", "multiworker", "horovod")
 #: when its fix lands (accumulation, synchronized BatchNormalization and the small last batch are
 #: the `replicas` work).
 NOT_YET = {
-    ("mixed_float16", "central_storage"): "LossScaleOptimizer's step counter and loss scale are assigned in "
-                                          "replica context: CentralStorageStrategy refuses (AggregatingVariable "
-                                          "without an aggregation)",
-    ("bn_sync", "central_storage"): "no sync_batch_norm option (refused by name); its BatchNormalization also "
-                                    "fails: the moving statistics hit the same AggregatingVariable error",
+    ("mixed_float16", "central_storage"): "refused at compile: CentralStorageStrategy refuses the loss scale's "
+                                          "assignments in replica context (Keras's AggregatingVariable)",
+    ("bn_sync", "central_storage"): "refused at compile: BatchNormalization's moving statistics hit the same "
+                                    "AggregatingVariable error (and there is no sync_batch_norm option)",
 }
 needs_horovod = run_if(horovod=True)
 

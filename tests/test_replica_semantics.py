@@ -101,3 +101,16 @@ def test_synchronized_batch_norm_equals_one_device_and_the_default_does_not(dist
 def test_sync_batch_norm_where_it_cannot_work_is_named(strategy):
     with pytest.raises(kerasdist.KerasdistError, match=f"'{strategy}' has no option 'sync_batch_norm'"):
         kerasdist.spec(strategy, sync_batch_norm=True)
+
+
+def test_central_storage_refuses_what_would_fail_inside_fit():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.BatchNormalization()])
+    with pytest.raises(kerasdist.KerasdistError, match=r"central_storage: BatchNormalization layers \['batch_normalization"):
+        model.compile(loss="mse", optimizer="sgd", distribute="central_storage")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        with pytest.raises(kerasdist.KerasdistError, match="mixed precision policy 'mixed_float16'"):
+            plain.compile(loss="mse", optimizer="sgd", distribute="central_storage")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

@@ -408,6 +408,6 @@ def symbolic_build(model, data_batch):
     model._symbolic_build(data_batch=data_batch)
 
 
-from .training import (accumulate_across_replicas, keras_tree, lay_out_variables,  # noqa: E402,F401
+from .training import (accumulate_across_replicas, all_layers, keras_tree, lay_out_variables,  # noqa: E402,F401
                        set_batch_share_weighting, synchronize_batch_norm, variable_layout,
                        weight_replicas_by_batch_share)

@@ -243,3 +243,8 @@ def _summed_moments(layer, local_moments, sum_across):
         return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
 
     return moments
+
+
+def all_layers(model):
+    """Every layer of ``model``, nested ones included (``Layer._flatten_layers``, private; Keras 3.15)."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
