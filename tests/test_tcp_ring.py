@@ -70,10 +70,31 @@ def test_a_stuck_peer_times_out_with_the_timeout_given(tmp_path):
     assert 1.9 <= waited < 10
 
 
+def _in_threads(function, size=2):
+    import threading
+
+    results = [None] * size
+    threads = [threading.Thread(target=lambda r: results.__setitem__(r, function(r)), args=(r,))
+               for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return results
+
+
+def _all_reduce_then_close(rings, sockets, length):
+    """Every rank sums np.full(length, rank + 1); then the rings and the other sockets are closed."""
+    try:
+        return _in_threads(lambda r: rings[r].all_reduce(np.full(length, r + 1.0)))
+    finally:
+        for sock in [*rings, *sockets]:
+            sock.close()
+
+
 @pytest.mark.timeout(60)
 def test_strangers_connecting_to_a_ring_port_are_turned_away():
     import socket
-    import threading
 
     from kerasdist_plugins.multiworker import ring as tcp_ring
 
@@ -86,29 +107,10 @@ def test_strangers_connecting_to_a_ring_port_are_turned_away():
         strangers[-1].sendall(b"GET / HTTP/1.1\r\n\r\n" * 4)
         socket.create_connection((host, int(port))).close()
         strangers.append(socket.create_connection((host, int(port))))
-    rings = [None, None]
-
-    def join(rank):
-        rings[rank] = tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, connect_timeout=20)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    rings = _in_threads(lambda r: tcp_ring.TcpRing.connect(listeners[r][0], addresses, r, connect_timeout=20))
     assert all(rings), "the ring did not form"
-    results = [None, None]
-    sums = [threading.Thread(target=lambda r: results.__setitem__(r, rings[r].all_reduce(np.full(5, r + 1.0))),
-                             args=(r,)) for r in range(2)]
-    for thread in sums:
-        thread.start()
-    for thread in sums:
-        thread.join(30)
+    results = _all_reduce_then_close(rings, strangers, 5)
     assert [list(r) for r in results] == [[3.0] * 5, [3.0] * 5]
-    for r in rings:
-        r.close()
-    for stranger in strangers:
-        stranger.close()
 
 
 @pytest.mark.timeout(60)
@@ -116,7 +118,6 @@ def test_a_stranger_with_the_right_hello_but_no_secret_is_refused_at_once():
     """The stranger speaks first, with a well-formed hello for rank 0 (but a proof made without the secret);
     the job's own ranks still form the ring, with no wait for the stranger."""
     import socket
-    import threading
     import time
 
     from kerasdist_plugins.multiworker import ring as tcp_ring
@@ -132,70 +133,33 @@ def test_a_stranger_with_the_right_hello_but_no_secret_is_refused_at_once():
         strangers.append(socket.create_connection((host, int(port))))
         strangers[-1].sendall(hello)
         strangers.append(socket.create_connection((host, int(port))))  # and one that says nothing
-    rings, start = [None, None], time.monotonic()
-
-    def join(rank):
-        rings[rank] = tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, connect_timeout=20, secret=secret)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    start = time.monotonic()
+    rings = _in_threads(lambda r: tcp_ring.TcpRing.connect(listeners[r][0], addresses, r, connect_timeout=20,
+                                                           secret=secret))
     formed = time.monotonic() - start
     print(f"ring formed in {formed:.3f} s with a secret-less stranger and a silent one at each port")
     assert all(rings) and formed < 1.0, formed
     for stranger in strangers[::2]:  # the one that knew the words but not the secret was closed at once
         stranger.settimeout(2)
         assert stranger.recv(1) == b""
-    results = [None, None]
-    sums = [threading.Thread(target=lambda r: results.__setitem__(r, rings[r].all_reduce(np.full(3, r + 1.0))),
-                             args=(r,)) for r in range(2)]
-    for thread in sums:
-        thread.start()
-    for thread in sums:
-        thread.join(30)
+    results = _all_reduce_then_close(rings, strangers, 3)
     assert [list(r) for r in results] == [[3.0] * 3, [3.0] * 3]
-    for r in rings:
-        r.close()
-    for stranger in strangers:
-        stranger.close()
 
 
 def test_ranks_with_different_secrets_do_not_form_a_ring():
-    import threading
-
     from kerasdist_plugins.multiworker import ring as tcp_ring
 
     listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
     addresses = [address for _, address in listeners]
-    errors = [None, None]
 
     def join(rank):
         try:
             tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, connect_timeout=2, secret=b"s%d" % rank)
         except tcp_ring.RingError as exc:
-            errors[rank] = str(exc)
+            return str(exc)
 
-    threads = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(10)
+    errors = _in_threads(join)
     assert all(e and "did not connect to the ring in time" in e for e in errors), errors
-
-
-def _in_threads(function, size=2):
-    import threading
-
-    results = [None] * size
-    threads = [threading.Thread(target=lambda r: results.__setitem__(r, function(r)), args=(r,))
-               for r in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return results
 
 
 @pytest.mark.timeout(120)
