@@ -20,6 +20,7 @@ import time
 
 from .cluster import LaunchWorker, cluster_hint_variables
 from .errors import ClusterConfigError, KerasdistError
+from .plugin_tools import port_is_free
 
 DEFAULT_GRACE_S = 5.0
 MAX_GRACE_S = 25.0
@@ -38,17 +39,6 @@ def pick_ports(count, host="127.0.0.1"):
     finally:
         for s in sockets:
             s.close()
-
-
-def port_is_free(port):
-    """Whether a gRPC server could bind ``port`` (TensorFlow's servers listen on every interface)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
 
 
 def check_ports_free(ports, host="127.0.0.1"):

@@ -36,7 +36,7 @@ __all__ = [
     "set_log_summer", "tf_context_initialized", "configure_coordination", "make_chief_aware_backup",
     "parameter_server_strategy", "symbolic_build",
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
-    "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers",
+    "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
 ]
 
 
@@ -243,10 +243,15 @@ def may_split_unevenly(call_kwargs, replicas):
         first = next(iter(tf.nest.flatten(x.element_spec)))
         batch = first.shape[0] if first.shape.rank else None
         return batch is None or batch % replicas != 0
-    first = x
-    while isinstance(first, (dict, list, tuple)) and first:
-        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    first = first_array(x)
     if not hasattr(first, "shape") or not len(getattr(first, "shape", ())):
         return True
     size, batch = int(first.shape[0]), int(call_kwargs.get("batch_size") or 32)
     return batch % replicas != 0 or (size % batch) % replicas != 0
+
+
+def first_array(value):
+    """The first array of an input given as an array or a (nested) dict/list/tuple of arrays."""
+    while isinstance(value, (dict, list, tuple)) and value:
+        value = next(iter(value.values())) if isinstance(value, dict) else value[0]
+    return value

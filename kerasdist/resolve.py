@@ -27,7 +27,7 @@ def _specs(value, system, cluster):
         if not value:
             raise KerasdistError(f"distribute={value!r} is empty; expected {ACCEPTED}.")
         return [spec for item in value for spec in _specs(item, system, cluster)]
-    if _is_tf_strategy(value):
+    if _is_strategy_object(value):
         return [StrategyInstance(value)]
     raise KerasdistError(f"distribute= got {value!r} of type {type(value).__name__}; expected {ACCEPTED}.")
 
@@ -41,12 +41,17 @@ def _named(name, system, cluster):
     return system.registry.get(name).create()
 
 
-def _is_tf_strategy(value):
-    """A tf.distribute.Strategy, or a keras.distribution.Distribution (JAX), passed as is."""
+def is_tf_strategy(value):
+    """Whether ``value`` is a ``tf.distribute.Strategy`` (never imports TensorFlow)."""
     import sys
 
     tf = sys.modules.get("tensorflow")
-    if tf is not None and isinstance(value, tf.distribute.Strategy):
+    return tf is not None and isinstance(value, tf.distribute.Strategy)
+
+
+def _is_strategy_object(value):
+    """A tf.distribute.Strategy, or a keras.distribution.Distribution (JAX), passed as is."""
+    if is_tf_strategy(value):
         return True
     # keras.distribution exports no base class: a Distribution is what has a mesh, layouts and a scope
     return all(callable(getattr(value, name, None)) for name in ("get_data_layout", "get_variable_layout", "scope")) \

@@ -8,7 +8,7 @@ import threading
 from . import _keras_internals as internals
 from .errors import KerasdistError, PluginValidationError, StrategyConflictError
 from .manager import get_system
-from .resolve import resolve_plan
+from .resolve import is_tf_strategy, resolve_plan
 from .specs import StrategyInstance, spec_key
 
 _strategies = {}
@@ -57,12 +57,6 @@ def _check_no_collective_overlap(spec, strategy):
                 "strategies on the same devices (they abort each other). Use the same options as before, or "
                 "train the other configuration in another process.")
     _collective_owners.append((spec, strategy, devices))
-
-
-def is_tf_strategy(strategy):
-    """Whether ``strategy`` is a ``tf.distribute.Strategy`` (never imports TensorFlow)."""
-    tf = sys.modules.get("tensorflow")
-    return tf is not None and isinstance(strategy, tf.distribute.Strategy)
 
 
 class NoStrategy:
@@ -161,10 +155,9 @@ def _check_not_empty(method, x):
             raise KerasdistError(f"{method}: the tf.data.Dataset given as x is empty (0 batches); give a dataset "
                                  "with at least one batch.")
         return
-    first = x
-    while isinstance(first, (dict, list, tuple)) and first:
-        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
-    shape = getattr(first, "shape", None)
+    from .plugin_tools import first_array
+
+    shape = getattr(first_array(x), "shape", None)
     if shape is not None and len(shape) > 0 and shape[0] == 0:
         raise KerasdistError(f"{method}: x has 0 examples (shape {tuple(shape)}); give at least one example.")
 

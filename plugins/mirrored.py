@@ -26,7 +26,11 @@ class Mirrored(kerasdist.StrategySpec):
         share one strategy."""
         from kerasdist.plugin_tools import canonical_devices, local_replica_devices
 
-        return (canonical_devices(self.devices or local_replica_devices()), self.cross_device_ops)
+        devices = canonical_devices(self.devices or local_replica_devices())
+        if self.devices and len(devices) != len(self.devices):  # checked here: equal specs share a cached strategy
+            raise kerasdist.KerasdistError(f"mirrored: devices={list(self.devices)} names a device twice; list each "
+                                           "device once.")
+        return (devices, self.cross_device_ops)
 
 
 
@@ -59,9 +63,6 @@ def kerasdist_create_strategy(spec):
             f"{', '.join(_CROSS_DEVICE_OPS)}.")
     devices = list(spec.devices) if spec.devices else local_replica_devices()
     check_devices_exist(devices, plugin="mirrored")
-    if len(canonical_devices(devices)) != len(devices):
-        raise kerasdist.KerasdistError(f"mirrored: devices={list(spec.devices)} names a device twice; list each "
-                                       "device once.")
     if spec.cross_device_ops == "nccl" and not any("GPU" in name for name in canonical_devices(devices)):
         raise kerasdist.KerasdistError(f"mirrored: cross_device_ops='nccl' needs GPUs, but the devices are "
                                        f"{list(canonical_devices(devices))}; use 'auto' (or 'reduce_to_one').")

@@ -4,7 +4,7 @@ each process's part of every global batch, and writes from process 0 only."""
 import numpy as np
 
 from kerasdist import ClusterConfigError, KerasdistError
-from kerasdist.plugin_tools import is_dataset
+from kerasdist.plugin_tools import first_array, is_dataset
 
 #: Callbacks that write files: process 0 keeps them, the others drop them (every process holds the same
 #: replicated state, and a sharded one is saved by process 0 through Keras's own gathering).
@@ -50,7 +50,7 @@ def split_inputs(call_kwargs, spec_name):
     if batch % count:
         raise KerasdistError(f"{spec_name}: batch_size={batch} is the global batch; it must divide among the {count} "
                              f"processes; give a multiple of {count}.")
-    size = _length(x)
+    size = len(first_array(x))
     order = np.arange(size)
     if call_kwargs.get("shuffle", True) is not False:  # one permutation, the same in every process
         order = np.random.default_rng(len(order)).permutation(size)
@@ -78,14 +78,6 @@ def quiet_other_processes(method, call_kwargs):
     if method == "fit":
         call_kwargs["callbacks"][:] = [cb for cb in call_kwargs["callbacks"]
                                        if type(cb).__name__ not in WRITING_CALLBACKS]
-
-
-def _length(value):
-    if isinstance(value, dict):
-        return _length(next(iter(value.values())))
-    if isinstance(value, (list, tuple)):
-        return _length(value[0])
-    return len(value)
 
 
 def _take(value, rows):
