@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml .ci/build_horovod.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -e '.[cpu,jax,test]'
+	# The QAT oracle test runs TFMOT (in its own process): tf-keras requires the `tensorflow` wheel,
+	# which would install over tensorflow-cpu, so both come without dependencies (the test extra has theirs).
+	$(PIP) install --no-deps 'tf-keras>=2.20,<2.22' 'tensorflow-model-optimization==0.8.1'
 	if [ "$(HOROVOD)" = 1 ]; then bash .ci/build_horovod.sh $(PY); fi
 	touch $@
 

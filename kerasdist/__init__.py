@@ -119,8 +119,10 @@ def _setup():
 
 def _patch_keras(keras_module):
     from .integration import install
+    from .manager import get_system
 
     install()
+    get_system().hook.kerasdist_keras_imported(keras=keras_module)
 
 
 def _process_start_wanted():

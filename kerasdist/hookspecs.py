@@ -163,6 +163,18 @@ def kerasdist_process_start(cluster, environ):
     """
 
 
+# -- Keras objects --------------------------------------------------------------
+
+@hookspec
+def kerasdist_keras_imported(keras):
+    """Called once per process when Keras is imported (or at ``import kerasdist`` if it already was).
+
+    Register what must exist before a saved model is loaded, e.g. the layer classes a plugin's
+    models serialize (``keras.saving.register_keras_serializable``), so that
+    ``keras.saving.load_model`` finds them in a process that imported kerasdist.
+    """
+
+
 # -- what listens ---------------------------------------------------------------
 
 @hookspec

@@ -18,7 +18,8 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replica
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
                                is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
-                               move_to_strategy, parameter_server_strategy, route_gradient_all_reduce,
+                               move_to_strategy, parameter_server_strategy, refresh_call_signature,
+                               route_gradient_all_reduce, state_unlocked,
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
                                variable_layout, weight_replicas_by_batch_share)
 from .backend import keras_backend
@@ -37,6 +38,7 @@ __all__ = [
     "parameter_server_strategy", "symbolic_build",
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
     "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
+    "refresh_call_signature", "state_unlocked",
 ]
 
 

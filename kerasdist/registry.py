@@ -200,6 +200,16 @@ def _package(entry):
     return f" (package {entry.package}{' ' + entry.version if entry.version else ''})"
 
 
+def _namespace(kind):
+    """Strategies and optimizations share names (both go in ``distribute=``); export formats have their
+    own (``kerasdist.export(format=...)``), so "tensorrt" can be both an optimization and a format."""
+    return "export" if kind == "export" else "train"
+
+
+def _key(space, name):
+    return name if space == "train" else f"export:{name}"
+
+
 class Registry:
     def __init__(self):
         self.entries = {}
@@ -229,7 +239,7 @@ class Registry:
         if base is None and not callable(entry.factory):
             raise PluginValidationError(f"Exporter {entry.name!r} of plugin {entry.plugin!r} is not callable.")
         for key in (entry.name,) + entry.aliases:
-            existing = self._lookup(key)
+            existing = self._lookup(key, _namespace(entry.kind))
             if existing is not None and not override:
                 raise DuplicatePluginError(
                     f"Plugin {entry.plugin!r}{_package(entry)} registers the {entry.kind} name {key!r}, which "
@@ -243,14 +253,16 @@ class Registry:
         self._attach(entry)
 
     def _attach(self, entry):
-        self.entries[entry.name] = entry
+        space = _namespace(entry.kind)
+        self.entries[_key(space, entry.name)] = entry
         for alias in entry.aliases:
-            self._aliases[alias] = entry.name
+            self._aliases[_key(space, alias)] = _key(space, entry.name)
 
     def _detach(self, entry):
-        self.entries.pop(entry.name, None)
+        space = _namespace(entry.kind)
+        self.entries.pop(_key(space, entry.name), None)
         for alias in entry.aliases:
-            self._aliases.pop(alias, None)
+            self._aliases.pop(_key(space, alias), None)
 
     def remove_plugin(self, plugin):
         """Drop every name ``plugin`` registered; names it replaced come back to their owners."""
@@ -259,19 +271,21 @@ class Registry:
         for entry in reversed([e for e in self.entries.values() if e.plugin == plugin]):
             self._detach(entry)
             for shadowed in entry.shadows:
-                if all(self._lookup(key) is None for key in (shadowed.name,) + shadowed.aliases):
+                if all(self._lookup(key, _namespace(shadowed.kind)) is None
+                       for key in (shadowed.name,) + shadowed.aliases):
                     self._attach(shadowed)
 
     def find(self, key):
-        """The entry registered under ``key`` (a name or alias, any case), or None."""
-        return self._lookup(key)
+        """The strategy or optimization registered under ``key`` (a name or alias, any case), else the
+        export format, or None."""
+        return self._lookup(key, "train") or self._lookup(key, "export")
 
-    def _lookup(self, key):
-        key = normalize(key)
+    def _lookup(self, key, space):
+        key = _key(space, normalize(key))
         return self.entries.get(self._aliases.get(key, key))
 
     def get(self, name, kinds=("strategy", "optimization")):
-        entry = self._lookup(name)
+        entry = self._lookup(name, "export" if tuple(kinds) == ("export",) else "train")
         if entry is None:
             failure = next((f for f in self.failures if f.name == normalize(name)), None)
             if failure is not None:

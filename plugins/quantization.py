@@ -16,8 +16,9 @@ ones trained under a strategy). ``verify_with=inputs`` then runs the written fil
 interpreter (``ai_edge_litert``, the ``litert`` extra) and compares it with the Keras model: the
 result carries ``max_abs_diff`` and ``argmax_agreement``.
 
-Quantization here is post-training only: Keras 3 has no int8 quantization-aware training, so
-there is no ``distribute=`` spec for it. Train (and prune) the float model, then export it.
+A model trained with ``distribute=[..., kerasdist.quantize()]`` (quantization-aware training) exports
+to "litert-int8" from its learned ranges, without representative data; its float formats leave the
+fake quantization out.
 """
 
 import contextlib
@@ -27,6 +28,7 @@ import io
 import os
 
 import kerasdist
+from kerasdist_plugins import qat
 
 LITERT_FORMATS = {
     "litert": "float32",
@@ -205,6 +207,8 @@ def export_litert(model, filepath, *, mode, representative_data=None, calibratio
     """Convert ``model`` to a LiteRT flatbuffer at ``filepath``; see the module docstring."""
     format = next(name for name, m in LITERT_FORMATS.items() if m == mode)
     check_exportable(model, format, filepath, verify_with, representative_data)
+    if qat.is_quantization_aware(model):
+        return _export_quantization_aware(model, filepath, format, mode, representative_data, int8_io, verify_with)
     if mode == "int8" and representative_data is None:
         raise kerasdist.KerasdistError(
             "export(format='litert-int8') needs representative_data=: about 100 typical inputs (an array, "
@@ -217,6 +221,10 @@ def export_litert(model, filepath, *, mode, representative_data=None, calibratio
     if verify_with is not None:
         require("ai_edge_litert.interpreter", "litert", f"export(format={format!r}, verify_with=...)")
     converter = litert_converter(model, mode, representative_data, calibration_steps, int8_io)
+    return _write(model, converter, filepath, format, verify_with)
+
+
+def _write(model, converter, filepath, format, verify_with):
     with contextlib.redirect_stdout(io.StringIO()):  # Keras prints its temporary SavedModel's signature
         flatbuffer = converter.convert()
     with open(filepath, "wb") as f:
@@ -225,6 +233,36 @@ def export_litert(model, filepath, *, mode, representative_data=None, calibratio
         return ExportResult(os.fspath(filepath), format, len(flatbuffer))
     return compare_outputs(model, verify_with, functools.partial(run_litert, os.fspath(filepath)),
                            os.fspath(filepath), format)
+
+
+def _export_quantization_aware(model, filepath, format, mode, representative_data, int8_io, verify_with):
+    """A model trained with ``quantize()``: "litert-int8" converts its learned ranges (full integer, no
+    calibration); the other formats are of the float model (the fake quantization is left out)."""
+    import tensorflow as tf
+
+    if mode == "int8" and representative_data is not None:
+        raise kerasdist.KerasdistError(
+            "export(format='litert-int8'): this model was trained with quantize() and carries its learned int8 "
+            "ranges; leave out representative_data=.")
+    if mode != "int8" and int8_io:
+        raise kerasdist.KerasdistError(f"export(format={format!r}): int8_io= is an option of format='litert-int8' only.")
+    if verify_with is not None:
+        require("ai_edge_litert.interpreter", "litert", f"export(format={format!r}, verify_with=...)")
+    if mode == "int8":
+        qat.check_trained(model, format)
+        if qat.recipe_of(model) != "litert":
+            raise kerasdist.KerasdistError(
+                f"export(format={format!r}): this model was trained with the {qat.recipe_of(model)!r} recipe "
+                "(symmetric Q/DQ for TensorRT); export it with format='onnx' or 'tensorrt', or train with quantize().")
+    with qat.export_mode("litert" if mode == "int8" else "float"):
+        converter = tf.lite.TFLiteConverter.from_keras_model(model)
+        if mode != "float32":
+            converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        if mode == "float16":
+            converter.target_spec.supported_types = [tf.float16]
+        if int8_io:
+            converter.inference_input_type = converter.inference_output_type = tf.int8
+        return _write(model, converter, filepath, format, verify_with)
 
 
 @kerasdist.hookimpl

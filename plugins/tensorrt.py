@@ -8,6 +8,9 @@ Keras -> ONNX -> TensorRT engine:
 - "onnx-int8": the float ONNX model quantized to QDQ form (QuantizeLinear/DequantizeLinear, int8,
   symmetric, per-channel weights) by ``onnxruntime.quantization`` from ``representative_data``:
   the explicit-quantization input TensorRT expects for INT8, and runnable in onnxruntime.
+- A model trained with ``quantize()`` or ``tensorrt()`` (quantization-aware) exports to "onnx" with
+  QuantizeLinear/DequantizeLinear pairs from its learned ranges, and to an int8 "tensorrt" engine
+  without representative data.
 - "tensorrt": that ONNX model parsed and built into a serialized engine (``.engine``/``.plan``)
   with the ``tensorrt`` package, ``precision`` "fp32", "fp16" or "int8" (from the QDQ model).
   Needs an NVIDIA GPU: engines are built for, and run on, the GPU that builds them. Without one the
@@ -22,6 +25,7 @@ import tempfile
 
 import kerasdist
 from kerasdist import ExportResult
+from kerasdist_plugins import qat
 from kerasdist_plugins.quantization import (calibration_batches, check_exportable,
                                             compare_outputs, require)
 
@@ -35,7 +39,12 @@ def write_onnx(model, filepath, opset_version=None):
     """``model.export(format="onnx")``, then ``onnx.checker`` on the file."""
     require("tf2onnx", "onnx", "export(format='onnx')")
     onnx = require("onnx", "onnx", "export(format='onnx')")
-    model.export(os.fspath(filepath), format="onnx", opset_version=opset_version, verbose=False)
+    if qat.is_quantization_aware(model):  # Q/DQ pairs from the learned ranges (explicit quantization)
+        qat.check_trained(model, "onnx")
+        with qat.export_mode("onnx"):
+            model.export(os.fspath(filepath), format="onnx", opset_version=max(opset_version or 13, 13), verbose=False)
+    else:
+        model.export(os.fspath(filepath), format="onnx", opset_version=opset_version, verbose=False)
     onnx.checker.check_model(os.fspath(filepath))
     return os.fspath(filepath)
 
@@ -99,6 +108,10 @@ def export_onnx_int8(model, filepath, *, representative_data=None, calibration_s
                      opset_version=None, verify_with=None):
     """QDQ int8 ONNX; ``verify_with`` compares onnxruntime with Keras."""
     check_exportable(model, "onnx-int8", filepath, verify_with, representative_data)
+    if qat.is_quantization_aware(model):
+        raise kerasdist.KerasdistError(
+            "export(format='onnx-int8'): this model was trained with quantization-aware training and carries its "
+            "int8 ranges; export it with format='onnx', which writes them as QuantizeLinear/DequantizeLinear pairs.")
     _need_data("onnx-int8", representative_data)
     with tempfile.TemporaryDirectory() as tmp:
         float_path = write_onnx(model, os.path.join(tmp, "float.onnx"), opset_version)
@@ -170,7 +183,8 @@ def export_tensorrt(model, filepath, *, precision="fp16", representative_data=No
     if precision not in PRECISIONS:
         raise kerasdist.KerasdistError(
             f"export(format='tensorrt'): precision={precision!r} is not valid; choose one of {', '.join(PRECISIONS)}.")
-    if precision == "int8":
+    quantization_aware = qat.is_quantization_aware(model)
+    if precision == "int8" and not quantization_aware:
         _need_data("tensorrt", representative_data)
     if not 1 <= min_batch <= opt_batch <= max_batch:
         raise kerasdist.KerasdistError(
@@ -178,7 +192,7 @@ def export_tensorrt(model, filepath, *, precision="fp16", representative_data=No
             f"max_batch={max_batch} must satisfy 1 <= min <= opt <= max.")
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = write_onnx(model, os.path.join(tmp, "model.onnx"), opset_version)
-        if precision == "int8":
+        if precision == "int8" and not quantization_aware:
             onnx_path = quantize_qdq(onnx_path, os.path.join(tmp, "model.int8.onnx"), representative_data,
                                      calibration_steps)
         engine = build_engine(onnx_path, precision, min_batch, opt_batch, max_batch, workspace_bytes)

@@ -29,6 +29,9 @@ from typing import Callable, Optional, Sequence, Union
 import kerasdist
 from kerasdist.plugin_tools import check_number
 
+from kerasdist_plugins.pruning.masks import (MaskConstraint, check_block, check_kernel_fits, magnitude_mask,  # noqa: F401
+                                             mask_for, parse_pattern)
+
 log = logging.getLogger("kerasdist.prune")
 
 SCHEDULES = ("polynomial", "constant")
@@ -53,6 +56,10 @@ class Prune(kerasdist.OptimizationSpec):
     :param power: polynomial exponent (TFMOT's default 3).
     :param layers: which kernels to prune: None (every Dense, EinsumDense and Conv kernel), a list
         of layer names, or a callable ``layer -> bool`` over the layers that have a kernel.
+    :param pattern: "2:4": structured N:M sparsity, at most 2 non-zeros in every 4 consecutive weights
+        along the input dimension, from ``begin_step`` on (the schedule's sparsity is then 0.5).
+    :param block: ``(input, output)`` block shape, e.g. ``(1, 4)``: whole blocks are zeroed (those with
+        the smallest mean magnitude) following the schedule.
     """
 
     target_sparsity: float = 0.5
@@ -63,8 +70,14 @@ class Prune(kerasdist.OptimizationSpec):
     frequency: int = 100
     power: float = 3.0
     layers: Optional[Union[Sequence[str], Callable]] = None
+    pattern: Optional[str] = None
+    block: Optional[Sequence[int]] = None
 
     def __post_init__(self):
+        self.n_of_m = parse_pattern(self.pattern)
+        self.block = check_block(self.block)
+        if self.n_of_m and self.block:
+            raise kerasdist.KerasdistError("prune: give pattern= or block=, not both.")
         self.target_sparsity = _check_fraction("target_sparsity", self.target_sparsity)
         self.initial_sparsity = _check_fraction("initial_sparsity", self.initial_sparsity)
         if self.schedule not in SCHEDULES:
@@ -112,32 +125,6 @@ def last_pruning_step(spec, step, end_step):
     if end_step is not None and step >= end_step:
         return end_step
     return spec.begin_step + (step - spec.begin_step) // spec.frequency * spec.frequency
-
-
-# -- masks ----------------------------------------------------------------------
-
-def magnitude_mask(kernel, sparsity):
-    """A 0/1 mask of ``kernel``'s shape keeping its ``n - round(sparsity * n)`` largest |weights|."""
-    from keras import ops
-
-    size = math.prod(kernel.shape)
-    keep = size - int(round(sparsity * size))
-    if keep >= size:
-        return ops.ones(kernel.shape, kernel.dtype)
-    flat = ops.abs(ops.reshape(ops.convert_to_tensor(kernel), (-1,)))
-    _, kept = ops.top_k(flat, keep, sorted=False)
-    mask = ops.scatter(ops.expand_dims(kept, -1), ops.ones((keep,), kernel.dtype), (size,))
-    return ops.reshape(mask, kernel.shape)
-
-
-class MaskConstraint:
-    """``kernel * mask`` after the layer's own constraint; Keras applies it after each update."""
-
-    def __init__(self, mask, inner=None):
-        self.mask, self.inner = mask, inner
-
-    def __call__(self, weight):
-        return (self.inner(weight) if self.inner is not None else weight) * self.mask
 
 
 # -- which layers ---------------------------------------------------------------
@@ -208,6 +195,9 @@ class PruningState:
         import keras
 
         self.layers = prunable_layers(self.model, self.spec.layers)
+        if self.spec.n_of_m or self.spec.block:
+            for layer in self.layers:
+                check_kernel_fits(layer, self.spec.n_of_m, self.spec.block)
         with self.model.distribute_strategy.scope():
             for layer in self.layers:
                 kernel = layer.kernel
@@ -228,7 +218,7 @@ class PruningState:
     def prune(self, sparsity):
         """New masks at ``sparsity``; call in cross-replica context (writes every replica)."""
         for layer, mask in zip(self.layers, self.masks):
-            mask.assign(magnitude_mask(layer.kernel, sparsity))
+            mask.assign(mask_for(layer.kernel, sparsity, self.spec.n_of_m, self.spec.block))
         self.apply_masks()
 
     def apply_masks(self):
