@@ -159,11 +159,15 @@ def calibration_batches(representative_data, steps):
         yield [a[i:i + 1] for a in arrays]
 
 
-def litert_converter(model, mode, representative_data=None, calibration_steps=100, int8_io=False):
+def litert_converter(model, mode, representative_data=None, calibration_steps=100, int8_io=False, per_channel=True):
     """A ``tf.lite.TFLiteConverter`` for ``model`` set up for ``mode`` (see LITERT_FORMATS)."""
     import tensorflow as tf
 
+    from kerasdist.plugin_tools import disable_per_channel_quantization
+
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    if not per_channel:
+        disable_per_channel_quantization(converter)
     if mode != "float32":
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
     if mode == "float16":
@@ -203,7 +207,7 @@ def run_litert(path, x):
 
 
 def export_litert(model, filepath, *, mode, representative_data=None, calibration_steps=100,
-                  int8_io=False, verify_with=None):
+                  int8_io=False, per_channel=True, verify_with=None):
     """Convert ``model`` to a LiteRT flatbuffer at ``filepath``; see the module docstring."""
     format = next(name for name, m in LITERT_FORMATS.items() if m == mode)
     check_exportable(model, format, filepath, verify_with, representative_data)
@@ -220,7 +224,9 @@ def export_litert(model, filepath, *, mode, representative_data=None, calibratio
             "format='litert-int8' only.")
     if verify_with is not None:
         require("ai_edge_litert.interpreter", "litert", f"export(format={format!r}, verify_with=...)")
-    converter = litert_converter(model, mode, representative_data, calibration_steps, int8_io)
+    if not per_channel and mode != "int8":
+        raise kerasdist.KerasdistError(f"export(format={format!r}): per_channel= is an option of format='litert-int8' only.")
+    converter = litert_converter(model, mode, representative_data, calibration_steps, int8_io, per_channel)
     return _write(model, converter, filepath, format, verify_with)
 
 

@@ -28,3 +28,12 @@ def state_unlocked(layer):
     finally:
         if locked:
             layer._tracker.lock()
+
+
+def disable_per_channel_quantization(converter):
+    """Post-training quantization with one scale per weight tensor: ``TFLiteConverter``'s
+    ``_experimental_disable_per_channel`` (private; checked with TensorFlow 2.21)."""
+    if not hasattr(converter, "_experimental_disable_per_channel"):
+        raise AttributeError("TFLiteConverter has no _experimental_disable_per_channel: re-check "
+                             "kerasdist/_keras_internals/layers.py against this TensorFlow")
+    converter._experimental_disable_per_channel = True

@@ -178,6 +178,26 @@ def prunable_layers(model, choice=None):
     return chosen
 
 
+def _fitting_structure(layers, spec):
+    """The layers whose kernels the pattern/block divides: a layer named in ``layers=`` that does not fit is
+    an error; one chosen by default is left dense, with a warning."""
+    fitting, skipped = [], []
+    for layer in layers:
+        try:
+            check_kernel_fits(layer, spec.n_of_m, spec.block)
+            fitting.append(layer)
+        except kerasdist.KerasdistError:
+            if spec.layers is not None and not callable(spec.layers):
+                raise
+            skipped.append(f"{layer.name} {tuple(layer.kernel.shape)}")
+    if skipped:
+        warnings.warn(f"prune: {'pattern=' + repr(spec.pattern) if spec.pattern else 'block=' + repr(spec.block)} "
+                      f"does not divide the kernels of {skipped}; they stay dense.", UserWarning, stacklevel=4)
+    if not fitting:
+        check_kernel_fits(layers[0], spec.n_of_m, spec.block)  # raises, naming the first layer
+    return fitting
+
+
 # -- per-model state --------------------------------------------------------------
 
 class PruningState:
@@ -196,8 +216,7 @@ class PruningState:
 
         self.layers = prunable_layers(self.model, self.spec.layers)
         if self.spec.n_of_m or self.spec.block:
-            for layer in self.layers:
-                check_kernel_fits(layer, self.spec.n_of_m, self.spec.block)
+            self.layers = _fitting_structure(self.layers, self.spec)
         with self.model.distribute_strategy.scope():
             for layer in self.layers:
                 kernel = layer.kernel
