@@ -233,6 +233,23 @@ def test_hook_kerasdist_process_start(tmp_path):
     assert "PROCESS_START" not in out
 
 
+def test_hook_kerasdist_keras_imported(tmp_path):
+    """Called once when Keras is imported after kerasdist, and at once when Keras already was."""
+    source = textwrap.dedent("""
+        import kerasdist
+
+        @kerasdist.hookimpl
+        def kerasdist_keras_imported(keras):
+            print("KERAS_IMPORTED", keras.__name__, hasattr(keras, "layers"))
+    """)
+    write_plugin_distribution(str(tmp_path), "keras-recorder", source, {"keras_recorder": "keras_recorder"})
+    for code in ("import kerasdist; print('KERASDIST'); import keras; import keras",
+                 "import keras; print('KERASDIST'); import kerasdist"):
+        out = run(python("-c", code), timeout=120, env=child_env(PYTHONPATH=str(tmp_path))).stdout
+        assert out.count("KERAS_IMPORTED keras True") == 1, out
+        assert out.index("KERASDIST") < out.index("KERAS_IMPORTED")
+
+
 def test_kerasdist_command_never_runs_process_start(tmp_path):
     source = textwrap.dedent("""
         import kerasdist

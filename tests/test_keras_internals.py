@@ -5,6 +5,7 @@ Everything checked here is used only in kerasdist/_keras_internals/.
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from kerasdist import _keras_internals as internals
@@ -288,3 +289,36 @@ def test_batch_norm_moments_summed_across_processes_equal_keras_own():
     assert internals.synchronize_batch_norm(model, sum_across=lambda tensor, name: tensor) == 1
     for got, want in zip(layer._moments(x, None), expected):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-6)
+
+
+def test_a_layer_whose_class_changed_gets_its_training_argument_after_refresh():
+    from kerasdist.plugin_tools import refresh_call_signature, state_unlocked
+
+    class WithTraining(keras.layers.Identity):
+        def call(self, inputs, training=None):
+            return inputs * (2.0 if training else 1.0)
+
+    layer = keras.layers.Identity()
+    layer.build((None, 3))
+    assert layer._call_has_training_arg is False  # recorded at __init__ from Identity.call
+    layer.__class__ = WithTraining
+    refresh_call_signature(layer)
+    assert layer._call_has_training_arg is True and "training" in layer._call_signature.parameters
+    x = np.ones((1, 3), "float32")
+    assert float(layer(x, training=True)[0, 0]) == 2.0
+    with pytest.raises(Exception, match="already built"):  # Keras locks a built layer's state
+        layer.add_weight(shape=(), name="extra")
+    with state_unlocked(layer):
+        layer.add_weight(shape=(), name="extra")
+    assert len(layer.weights) == 1 and layer._tracker.locked
+
+
+def test_tflite_converter_still_has_its_per_channel_switch():
+    import tensorflow as tf
+
+    from kerasdist.plugin_tools import disable_per_channel_quantization
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    converter = tf.lite.TFLiteConverter.from_keras_model(model)
+    disable_per_channel_quantization(converter)
+    assert converter._experimental_disable_per_channel is True

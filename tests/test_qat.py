@@ -169,9 +169,9 @@ def test_fake_quantized_outputs_and_range_updates_equal_tfmot(tmp_path):
         model.compile(loss="mse", optimizer="sgd", distribute=kerasdist.quantize(weights=weights))
         layer.kernel.assign(data[f"{kind}_kernel"])
         layer.bias.assign(data[f"{kind}_bias"])
-        assert layer._qat_plan.per_channel == (kind == "conv")
+        assert layer.quantization_plan.per_channel == (kind == "conv")
         for where in ("input", "output"):
-            low, high = layer._qat_ranges[where]
+            low, high = layer.range_variables[where]
             low.assign(data[f"{kind}_{where}_min"])
             high.assign(data[f"{kind}_{where}_max"])
         np.testing.assert_allclose(model(x, training=True), tfmot[f"{kind}_training"], atol=1e-6)

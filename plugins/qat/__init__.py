@@ -97,12 +97,12 @@ def quantize_model(model, spec, strategy=None):
             "(or call model.build(input_shape)) before compile(distribute=[..., quantize()]).")
     existing = quantization_aware_layers(model)
     if existing:
-        recipes = {layer._qat_plan.recipe for layer in existing}
+        recipes = {layer.quantization_plan.recipe for layer in existing}
         if recipes != {spec.recipe}:
             raise kerasdist.KerasdistError(
                 f"{where}: model {model.name!r} is already quantization-aware with the {sorted(recipes)} recipe; "
                 "build the float model again to change the recipe.")
-        return {layer: layer._qat_plan for layer in existing}
+        return {layer: layer.quantization_plan for layer in existing}
     chosen = graph.choose(model, spec.layers)
     plans = graph.plan(model, chosen, spec.recipe, getattr(spec, "weights", "per_channel") == "per_channel",
                        spec.ema_decay)
@@ -142,7 +142,7 @@ def ranges(model):
 def recipe_of(model):
     from kerasdist_plugins.qat.layers import quantization_aware_layers
 
-    return next((layer._qat_plan.recipe for layer in quantization_aware_layers(model)), None)
+    return next((layer.quantization_plan.recipe for layer in quantization_aware_layers(model)), None)
 
 
 def check_trained(model, format):

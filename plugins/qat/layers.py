@@ -23,9 +23,9 @@ class QuantizationAware:
     def __init__(self, *args, **kwargs):
         qat = kwargs.pop(CONFIG_KEY, None)
         super().__init__(*args, **kwargs)
-        self._qat_setup(LayerPlan(**qat) if qat else LayerPlan())
+        self.set_quantization_plan(LayerPlan(**qat) if qat else LayerPlan())
 
-    def _qat_setup(self, plan):
+    def set_quantization_plan(self, plan):
         self._qat_plan = plan
         self._qat_ranges = {}
         if self.built:
@@ -47,6 +47,16 @@ class QuantizationAware:
                                          initializer=keras.initializers.Constant(float("nan")), autocast=False,
                                          aggregation="only_first_replica") for end in ("min", "max"))
             self._qat_ranges[name] = pair
+
+    @property
+    def quantization_plan(self):
+        """The :class:`~kerasdist_plugins.qat.graph.LayerPlan` this layer follows."""
+        return self._qat_plan
+
+    @property
+    def range_variables(self):
+        """``{"input"|"pre"|"output": (min variable, max variable)}``."""
+        return dict(self._qat_ranges)
 
     def ranges(self):
         """``{"input"|"pre"|"output": (min, max)}`` as floats (NaN before the first training step)."""
@@ -159,7 +169,7 @@ def make_quantization_aware(layer, plan):
     if isinstance(layer, QuantizationAware):
         base = next(cls for cls in base.__mro__ if cls is not QuantizationAware and not issubclass(cls, QuantizationAware))
     layer.__class__ = class_for(base)
-    layer._qat_setup(plan)
+    layer.set_quantization_plan(plan)
     refresh_call_signature(layer)
 
 
