@@ -90,6 +90,28 @@ def test_mirrored_qat_equals_single_device_qat_and_replicas_hold_identical_range
             assert all(np.isfinite(pair))
 
 
+@pytest.mark.slow
+def test_multiworker_qat_equals_one_process_and_workers_hold_identical_ranges(tmp_path):
+    """The equivalence script with --quantize: one process vs `kerasdist launch -n 2` (two real processes)."""
+    from helpers import PYTHON, child_env, run
+
+    kerasdist_command = os.path.join(os.path.dirname(PYTHON), "kerasdist")
+    script = os.path.join(HERE, "workers", "equivalence_script.py")
+    plain, launched = str(tmp_path / "plain.npz"), str(tmp_path / "mw.npz")
+    env = child_env(TF_CPP_MIN_LOG_LEVEL=3)
+    run([PYTHON, script, "--out", plain, "--quantize", "--distribute", "none"], timeout=240, env=env)
+    run([kerasdist_command, "launch", "-n", "2", "--join-timeout", "60", script, "--out", launched, "--quantize",
+         "--distribute", "multiworker"], timeout=240, env=env)
+    reference, chief = np.load(plain), np.load(launched)
+    other = np.load(launched.replace(".npz", "-task1.npz"))
+    names = [n for n in reference.files if n != "steps"]
+    assert len(names) == 4 + 8  # 2 kernels, 2 biases; ranges (min, max): input, pre-tanh, output; output
+    assert reference["steps"].tolist() == chief["steps"].tolist()
+    for name in names:
+        np.testing.assert_allclose(chief[name], reference[name], atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(chief[name], other[name], err_msg=name)
+
+
 # -- Must show 3: 2:4 sparsity ----------------------------------------------------------------
 
 def _blocks_of_four_have_two_zeros(kernel, input_axis=-2):
@@ -322,3 +344,11 @@ def test_block_sparsity_zeroes_whole_blocks():
     mask = keras.ops.convert_to_numpy(block_mask(kernel, (1, 4), 0.5))
     blocks = mask.reshape(8, 2, 4)
     assert mask.mean() == 0.5 and np.all((blocks.min(-1) == blocks.max(-1)))
+
+
+def test_processes_that_are_not_replicas_of_one_strategy_are_refused(monkeypatch):
+    monkeypatch.setattr(kerasdist, "detect_cluster",
+                        lambda: kerasdist.ClusterInfo(cluster={"worker": ["a:1", "b:2"]}, source="horovod"))
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    with pytest.raises(kerasdist.KerasdistError, match=r"one of 2 processes \(horovod\).*own\s+int8 ranges"):
+        model.compile(loss="mse", optimizer="sgd", distribute=kerasdist.quantize())

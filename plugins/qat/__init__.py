@@ -103,6 +103,7 @@ def quantize_model(model, spec, strategy=None):
                 f"{where}: model {model.name!r} is already quantization-aware with the {sorted(recipes)} recipe; "
                 "build the float model again to change the recipe.")
         return {layer: layer.quantization_plan for layer in existing}
+    _check_replicas_share_steps(strategy or model.distribute_strategy, where)
     chosen = graph.choose(model, spec.layers)
     plans = graph.plan(model, chosen, spec.recipe, getattr(spec, "weights", "per_channel") == "per_channel",
                        spec.ema_decay)
@@ -116,6 +117,24 @@ def quantize_model(model, spec, strategy=None):
         warnings.warn(f"quantize: layers {left} are not quantized (no int8 range is learned for their outputs); a "
                       "full-integer LiteRT export may keep them in float.", UserWarning, stacklevel=3)
     return plans
+
+
+def _check_replicas_share_steps(strategy, where):
+    """The ranges are reduced over the replicas of one synchronous tf.distribute step. A parameter-server
+    cluster (asynchronous workers) or several processes that are not replicas of one strategy (Horovod)
+    would each learn their own ranges, so they are refused."""
+    import tensorflow as tf
+
+    cluster = kerasdist.detect_cluster()
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy) or cluster.has_parameter_servers:
+        raise kerasdist.KerasdistError(
+            f"{where}: quantization-aware training needs synchronous replicas; under a parameter-server cluster "
+            "each worker would learn its own int8 ranges. Use 'mirrored' or 'multiworker'.")
+    if cluster.num_workers > 1 and strategy.num_replicas_in_sync < cluster.num_workers:
+        raise kerasdist.KerasdistError(
+            f"{where}: this is one of {cluster.num_workers} processes ({cluster.source}) that are not replicas of "
+            f"one tf.distribute strategy (it has {strategy.num_replicas_in_sync}), so each would learn its own "
+            "int8 ranges. Use distribute=['multiworker', quantize()] (kerasdist launch) for several processes.")
 
 
 def _sparsity_spec():

@@ -36,6 +36,7 @@ def parse(argv=None):
     parser.add_argument("--small-last-batch", action="store_true",
                         help="feed a tf.data.Dataset of --examples rounded to whole batches plus one "
                              "example: its last batch has 1 example, fewer than the replicas")
+    parser.add_argument("--quantize", action="store_true", help="add kerasdist.quantize() (QAT) to the plan")
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--epochs", type=int, default=2)
@@ -85,6 +86,8 @@ def main(argv=None):
     word = None if args.distribute == "none" else args.distribute
     options = json.loads(args.options)
     distribute = kerasdist.spec(word, **options) if word and options else word
+    if args.quantize:
+        distribute = ([distribute] if distribute else []) + [kerasdist.quantize()]
     optimizer = keras.optimizers.SGD(args.lr, gradient_accumulation_steps=args.accumulation
                                      if args.accumulation > 1 else None)
     model.compile(optimizer=optimizer, loss="mse", distribute=distribute)
@@ -97,10 +100,12 @@ def main(argv=None):
         fit_data = dict(x=x, y=y, batch_size=args.batch, shuffle=False)
     model.fit(**fit_data, epochs=args.epochs, verbose=0, callbacks=[counter])
     cluster = kerasdist.detect_cluster()
+    weights = {f"w{i}": np.asarray(w, dtype="float32") for i, w in enumerate(model.get_weights())}
     if cluster.is_local or cluster.is_chief:
-        weights = {f"w{i}": np.asarray(w, dtype="float32") for i, w in enumerate(model.get_weights())}
         np.savez(args.out, steps=np.array(counter.steps), **weights)
         print(f"EQUIVALENCE steps={counter.steps}", flush=True)
+    elif args.quantize:  # every worker's weights and int8 ranges, to compare the replicas
+        np.savez(args.out.replace(".npz", f"-task{cluster.task_index}.npz"), steps=np.array(counter.steps), **weights)
 
 
 if __name__ == "__main__":
