@@ -8,12 +8,10 @@ and batches, alternating rounds, median step), the accuracy table of tests/worke
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 
 os.environ.setdefault("KERASDIST_CPU_REPLICAS", "2")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -23,19 +21,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kerasdist  # noqa: E402
+from bench_mirrored import StepTimer  # noqa: E402
 import qat_digits  # noqa: E402
-
-
-class StepTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.times = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
 
 
 def net():
@@ -85,11 +72,7 @@ def main():
     report["digits_per_channel"] = qat_digits.run("per_channel")
     report["digits_per_tensor_imbalanced"] = qat_digits.run("per_tensor", imbalanced=True, qat_epochs=20,
                                                             qat_learning_rate=0.002)
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    qat_digits.report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,14 @@ def weighted_types():
             layers.DepthwiseConv1D, layers.DepthwiseConv2D)
 
 
-def is_fully_connected(layer):
-    """Dense and EinsumDense: LiteRT's FullyConnected. Its converter transposes the kernel and cannot carry
-    a per-output-channel fake-quant range through that transpose ("'tfl.transpose' op has mismatched
-    quantized axes"), so the LiteRT recipe quantizes these kernels per tensor, as TFMOT's default does."""
+def per_tensor_in_litert(layer):
+    """Kernels the LiteRT converter cannot take with per-output-channel ranges: it transposes Dense and
+    EinsumDense kernels for FullyConnected ("'tfl.transpose' op has mismatched quantized axes") and
+    reshapes 1-d (and 3-d) convolution kernels ("'tfl.reshape' op requires ... cast compatible"), moving
+    the channel axis (measured, TF 2.21). TFMOT's default quantizes them per tensor too."""
     from keras import layers
 
-    return isinstance(layer, (layers.Dense, layers.EinsumDense))
+    return isinstance(layer, (layers.Dense, layers.EinsumDense, layers.Conv1D, layers.DepthwiseConv1D, layers.Conv3D))
 
 
 def _pass_through_types():
@@ -149,7 +150,7 @@ def tail(graph, layer, per_channel):
     if activation_name(layer) != "linear":
         return chain
     follower = graph.only_consumer(layer)
-    if (per_channel and isinstance(follower, layers.BatchNormalization) and not is_fully_connected(layer)
+    if (per_channel and isinstance(follower, layers.BatchNormalization) and not per_tensor_in_litert(layer)
             and follower.axis in (-1, len(follower.input.shape) - 1)):
         chain.append(follower)
         follower = graph.only_consumer(follower)
@@ -170,7 +171,7 @@ def plan(model, chosen, recipe, per_channel, ema_decay):
     for layer in chosen:
         chain = tail(graph, layer, per_channel) if graph.known else [layer]
         pre = activation_name(layer) not in FUSED_ACTIVATIONS
-        plans[layer] = LayerPlan(recipe, weights=True, per_channel=per_channel and not is_fully_connected(layer),
+        plans[layer] = LayerPlan(recipe, weights=True, per_channel=per_channel and not per_tensor_in_litert(layer),
                                  pre_activation=pre, ema_decay=ema_decay)
         ends[layer] = chain[-1]
     quantized_ends = set(map(id, ends.values()))

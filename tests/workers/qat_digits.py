@@ -123,12 +123,16 @@ def main():
     parser.add_argument("--qat-learning-rate", type=float, default=0.01)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    result = run(args.weights, args.distribute, imbalanced=args.imbalanced, qat_epochs=args.qat_epochs,
-                 qat_learning_rate=args.qat_learning_rate)
+    report(run(args.weights, args.distribute, imbalanced=args.imbalanced, qat_epochs=args.qat_epochs,
+               qat_learning_rate=args.qat_learning_rate), args.json)
+
+
+def report(result, path=None):
+    """Print ``result`` as JSON, and write it to ``path`` when given."""
     text = json.dumps(result, indent=1)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text)
 
 
