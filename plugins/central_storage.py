@@ -12,10 +12,14 @@ class CentralStorage(kerasdist.StrategySpec):
 
     :param compute_devices: replica devices (default: all GPUs, else all logical CPUs).
     :param parameter_device: where variables live (default: the CPU).
+    :param sync_batch_norm: BatchNormalization layers use the statistics of the whole global batch
+        (Keras's ``synchronized=True``), so training equals one device's; off, each replica normalizes
+        with its own part of the batch and the moving statistics are the first replica's.
     """
 
     compute_devices: Optional[Sequence[str]] = None
     parameter_device: Optional[str] = None
+    sync_batch_norm: bool = False
 
     def identity(self):
         """Equal when the devices are (the default devices resolved)."""
@@ -37,43 +41,42 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.plugin_tools import check_devices_exist, local_replica_devices
+    from kerasdist.plugin_tools import check_devices_exist, first_replica_assigns_unaggregated, local_replica_devices
 
     devices = list(spec.compute_devices) if spec.compute_devices else local_replica_devices()
     check_devices_exist(devices + ([spec.parameter_device] if spec.parameter_device else []),
                         plugin="central_storage")
-    return tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device)
+    # BatchNormalization's moving statistics are assigned in replica context
+    return first_replica_assigns_unaggregated(
+        tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device))
 
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
-    """Uneven global batches and gradient accumulation train as on one device."""
+    """Uneven global batches, gradient accumulation and (with sync_batch_norm) batch statistics train as on
+    one device."""
     if isinstance(spec, CentralStorage):
         from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
 
-        _refuse_what_fails_in_fit(model)
-
+        _refuse_mixed_precision()
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            from kerasdist.plugin_tools import synchronize_batch_norm
+
+            synchronize_batch_norm(model)
 
 
-def _refuse_what_fails_in_fit(model):
-    """What CentralStorageStrategy cannot run in Keras 3.15 fails here, not deep inside fit: variables that
-    Keras assigns in replica context without an aggregation (the loss scale of mixed precision, the moving
-    statistics of BatchNormalization) are AggregatingVariables there, which refuse such assignments."""
+def _refuse_mixed_precision():
+    """Keras's LossScaleOptimizer updates its loss scale inside a ``cond`` that runs in replica context. A
+    CentralStorageStrategy variable (an AggregatingVariable) can only be assigned there through a
+    ``merge_call``, which TensorFlow forbids inside a ``cond``; with ``aggregation="none"`` it refuses outright.
+    (MirroredStrategy updates each replica's own copy instead.) So this fails here, not deep inside fit."""
     import keras
-
-    from kerasdist.plugin_tools import all_layers
 
     policy = keras.mixed_precision.global_policy().name
     if policy.startswith("mixed"):
         raise kerasdist.KerasdistError(
             f"central_storage: the mixed precision policy {policy!r} cannot train under CentralStorageStrategy "
-            "(its loss scale is assigned in replica context, which the strategy refuses); use "
-            "distribute='mirrored', or the 'float32' policy.")
-    norms = sorted({layer.name for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)})
-    if norms:
-        raise kerasdist.KerasdistError(
-            f"central_storage: BatchNormalization layers {norms} cannot train under CentralStorageStrategy (their "
-            "moving statistics are assigned in replica context, which the strategy refuses); use "
-            "distribute='mirrored' (with sync_batch_norm=True for whole-batch statistics).")
+            "(Keras's loss scale is updated inside a cond in replica context, where this strategy's variables "
+            "cannot be assigned); use distribute='mirrored', or the 'float32' policy.")

@@ -44,10 +44,10 @@ ROWS = ("mirrored", "central_storage", "multiworker", "horovod")
 #: when its fix lands (accumulation, synchronized BatchNormalization and the small last batch are
 #: the `replicas` work).
 NOT_YET = {
-    ("mixed_float16", "central_storage"): "refused at compile: CentralStorageStrategy refuses the loss scale's "
-                                          "assignments in replica context (Keras's AggregatingVariable)",
-    ("bn_sync", "central_storage"): "refused at compile: BatchNormalization's moving statistics hit the same "
-                                    "AggregatingVariable error (and there is no sync_batch_norm option)",
+    ("mixed_float16", "central_storage"): "refused at compile: Keras's LossScaleOptimizer updates its loss scale "
+                                          "inside a cond in replica context, where a CentralStorageStrategy "
+                                          "variable can only be assigned through a merge_call, which TF forbids "
+                                          "inside a cond",
 }
 needs_horovod = run_if(horovod=True)
 

@@ -256,8 +256,8 @@ def test_tensorrt_recipe_writes_symmetric_int8_qdq_and_two_of_four_sparsity(tmp_
     from onnx import numpy_helper
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6, 6, 4)), keras.layers.Conv2D(8, 3, activation="relu"),
-                              keras.layers.Flatten(), keras.layers.Dense(4)])
+    model = keras.Sequential([keras.Input((6, 6, 4)), keras.layers.Conv2D(8, 3, activation="relu", name="conv"),
+                              keras.layers.Flatten(), keras.layers.Dense(4, name="fc")])
     x = np.random.default_rng(1).normal(size=(64, 6, 6, 4)).astype("float32")
     y = np.random.default_rng(2).integers(0, 4, size=(64,))
     model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), optimizer="sgd",
@@ -265,7 +265,7 @@ def test_tensorrt_recipe_writes_symmetric_int8_qdq_and_two_of_four_sparsity(tmp_
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     for layer in model.layers[::2]:
         assert _blocks_of_four_have_two_zeros(layer.kernel.numpy()), layer.name
-    assert set(qat.ranges(model)) == {"conv2d", "dense"}  # inputs of the weighted layers only
+    assert {name: list(pairs) for name, pairs in qat.ranges(model).items()} == {"conv": ["input"], "fc": ["input"]}
     result = kerasdist.export(model, str(tmp_path / "trt.onnx"), format="onnx", verify_with=x)
     graph = onnx.load(result.path).graph
     constants = {i.name: numpy_helper.to_array(i) for i in graph.initializer}

@@ -37,3 +37,34 @@ def disable_per_channel_quantization(converter):
         raise AttributeError("TFLiteConverter has no _experimental_disable_per_channel: re-check "
                              "kerasdist/_keras_internals/layers.py against this TensorFlow")
     converter._experimental_disable_per_channel = True
+
+
+def first_replica_assigns_unaggregated(strategy):
+    """Let Keras assign its unaggregated non-trainable variables in replica context under ``strategy``.
+
+    Keras creates BatchNormalization's moving statistics with ``aggregation="none"`` and assigns them
+    inside the replicated step. CentralStorageStrategy wraps each variable in an ``AggregatingVariable``,
+    which refuses such an assignment ("You must specify an aggregation method to update a
+    AggregatingVariable in Replica Context"). Variables created in this strategy's ``scope()`` that are
+    non-trainable and unaggregated get ``ONLY_FIRST_REPLICA`` instead: with synchronized batch statistics
+    every replica computes the same value, and the first replica's is written once. (Mixed precision's
+    loss scale is assigned inside a ``cond``, where the ``merge_call`` this needs is not allowed.) ``scope`` is overridden on the
+    object's own subclass (checked with TF 2.21 / Keras 3.15)."""
+    import contextlib
+
+    import tensorflow as tf
+
+    def creator(next_creator, **kwargs):
+        if kwargs.get("trainable") is False and kwargs.get("aggregation") in (None, tf.VariableAggregation.NONE):
+            kwargs["aggregation"] = tf.VariableAggregation.ONLY_FIRST_REPLICA
+        return next_creator(**kwargs)
+
+    base = type(strategy)
+
+    @contextlib.contextmanager
+    def scope(self):
+        with base.scope(self) as entered, tf.variable_creator_scope(creator):
+            yield entered
+
+    strategy.__class__ = type(base.__name__, (base,), {"scope": scope, "__module__": base.__module__})
+    return strategy
