@@ -322,3 +322,25 @@ def test_tflite_converter_still_has_its_per_channel_switch():
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
     disable_per_channel_quantization(converter)
     assert converter._experimental_disable_per_channel is True
+
+
+def test_central_storage_gives_unaggregated_state_the_first_replicas_value():
+    from kerasdist.plugin_tools import first_replica_assigns_unaggregated, local_replica_devices
+
+    strategy = first_replica_assigns_unaggregated(
+        tf.distribute.experimental.CentralStorageStrategy(local_replica_devices()))
+    assert isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy)
+    with strategy.scope():
+        state = keras.Variable(0.0, trainable=False, name="state")
+        weight = keras.Variable(0.0, trainable=True, name="weight")
+    assert state.value.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
+    assert weight.value.aggregation == tf.VariableAggregation.NONE
+
+    @tf.function
+    def step():
+        def replica_fn():
+            state.assign(3.0)  # refused in replica context without an aggregation
+        strategy.run(replica_fn)
+
+    step()
+    assert float(state.numpy()) == 3.0
