@@ -58,7 +58,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, CentralStorage):
         from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
 
-        _refuse_mixed_precision()
+        _loss_scale_for_central_storage(compile_kwargs)
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
         if spec.sync_batch_norm:
@@ -67,16 +67,17 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
             synchronize_batch_norm(model)
 
 
-def _refuse_mixed_precision():
-    """Keras's LossScaleOptimizer updates its loss scale inside a ``cond`` that runs in replica context. A
-    CentralStorageStrategy variable (an AggregatingVariable) can only be assigned there through a
-    ``merge_call``, which TensorFlow forbids inside a ``cond``; with ``aggregation="none"`` it refuses outright.
-    (MirroredStrategy updates each replica's own copy instead.) So this fails here, not deep inside fit."""
+def _loss_scale_for_central_storage(compile_kwargs):
+    """Under a mixed_float16 policy Keras wraps the optimizer in a LossScaleOptimizer, whose loss-scale update
+    (a cond in replica context) cannot assign this strategy's variables; wrapped here, it updates with
+    unconditional assignments instead (the same values)."""
     import keras
 
-    policy = keras.mixed_precision.global_policy().name
-    if policy.startswith("mixed"):
-        raise kerasdist.KerasdistError(
-            f"central_storage: the mixed precision policy {policy!r} cannot train under CentralStorageStrategy "
-            "(Keras's loss scale is updated inside a cond in replica context, where this strategy's variables "
-            "cannot be assigned); use distribute='mirrored', or the 'float32' policy.")
+    from kerasdist.plugin_tools import loss_scale_updates_without_cond
+
+    if keras.mixed_precision.global_policy().name != "mixed_float16":
+        return
+    optimizer = compile_kwargs["optimizer"]
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    compile_kwargs["optimizer"] = loss_scale_updates_without_cond(optimizer)

@@ -43,12 +43,7 @@ ROWS = ("mirrored", "central_storage", "multiworker", "horovod")
 #: (column, row) cells that do not pass yet, with why; every other cell is asserted. Remove an entry
 #: when its fix lands (accumulation, synchronized BatchNormalization and the small last batch are
 #: the `replicas` work).
-NOT_YET = {
-    ("mixed_float16", "central_storage"): "refused at compile: Keras's LossScaleOptimizer updates its loss scale "
-                                          "inside a cond in replica context, where a CentralStorageStrategy "
-                                          "variable can only be assigned through a merge_call, which TF forbids "
-                                          "inside a cond",
-}
+NOT_YET = {}
 needs_horovod = run_if(horovod=True)
 
 

@@ -344,3 +344,21 @@ def test_central_storage_gives_unaggregated_state_the_first_replicas_value():
 
     step()
     assert float(state.numpy()) == 3.0
+
+
+def test_loss_scale_update_without_cond_gives_the_conds_values():
+    from kerasdist.plugin_tools import loss_scale_updates_without_cond
+
+    def run(optimizer, grads_sequence):
+        variable = keras.Variable([1.0])
+        optimizer.build([variable])
+        for grads in grads_sequence:
+            optimizer.apply([tf.constant(grads)], [variable])
+        return int(optimizer.step_counter.numpy()), float(optimizer.dynamic_scale.numpy()), variable.numpy()
+
+    sequence = [[1.0]] * 4 + [[float("inf")]] + [[2.0]] * 3
+    keras_own = run(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=2), sequence)
+    patched = run(loss_scale_updates_without_cond(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=2)), sequence)
+    assert keras_own[:2] == patched[:2] and np.array_equal(keras_own[2], patched[2])
+    assert keras_own[:2] == (1, 2.0 ** 15 * 4)  # grew 3 times, halved once: both branches taken

@@ -375,7 +375,7 @@ def make_chief_aware_backup(backup_dir, write_dir, **kwargs):
 
 
 from .layers import (disable_per_channel_quantization, first_replica_assigns_unaggregated,  # noqa: E402,F401
-                     refresh_call_signature, state_unlocked)  # noqa: E402,F401
+                     loss_scale_updates_without_cond, refresh_call_signature, state_unlocked)  # noqa: E402,F401
 from .ps import PS_COORDINATOR_JOB, parameter_server_strategy, symbolic_build  # noqa: E402,F401
 from .training import (accumulate_across_replicas, all_layers, keras_tree, lay_out_variables,  # noqa: E402,F401
                        set_batch_share_weighting, synchronize_batch_norm, variable_layout,

@@ -42,13 +42,14 @@ def disable_per_channel_quantization(converter):
 def first_replica_assigns_unaggregated(strategy):
     """Let Keras assign its unaggregated non-trainable variables in replica context under ``strategy``.
 
-    Keras creates BatchNormalization's moving statistics with ``aggregation="none"`` and assigns them
+    Keras creates BatchNormalization's moving statistics and the loss scale of mixed precision with ``aggregation="none"`` and assigns them
     inside the replicated step. CentralStorageStrategy wraps each variable in an ``AggregatingVariable``,
     which refuses such an assignment ("You must specify an aggregation method to update a
     AggregatingVariable in Replica Context"). Variables created in this strategy's ``scope()`` that are
     non-trainable and unaggregated get ``ONLY_FIRST_REPLICA`` instead: with synchronized batch statistics
-    every replica computes the same value, and the first replica's is written once. (Mixed precision's
-    loss scale is assigned inside a ``cond``, where the ``merge_call`` this needs is not allowed.) ``scope`` is overridden on the
+    every replica computes the same value, and the first replica's is written once. Mixed precision's loss
+    scale gets the same, with :func:`loss_scale_updates_without_cond` (its ``cond`` forbids the
+    ``merge_call`` such an assignment needs). ``scope`` is overridden on the
     object's own subclass (checked with TF 2.21 / Keras 3.15)."""
     import contextlib
 
@@ -68,3 +69,33 @@ def first_replica_assigns_unaggregated(strategy):
 
     strategy.__class__ = type(base.__name__, (base,), {"scope": scope, "__module__": base.__module__})
     return strategy
+
+
+def loss_scale_updates_without_cond(optimizer):
+    """Make a ``LossScaleOptimizer`` update its loss scale with unconditional assignments.
+
+    ``LossScaleOptimizer._stateful_handle_finite_grads`` (Keras 3.15) chooses between "double the scale,
+    reset the counter" and "count one more step" with a ``cond`` in replica context. Under
+    CentralStorageStrategy a replica-context assignment is a ``merge_call``, which TensorFlow forbids
+    inside such a ``cond``. The same update as ``where``: both variables are always assigned, with the
+    value the chosen branch would have given."""
+    import types
+
+    from keras import ops
+
+    def handle_finite_grads(self, grads, trainable_variables):
+        scale = self.dynamic_scale
+        tvs = trainable_variables or self._trainable_variables
+        unscaled = [g if g is None or self._overwrite_variable_with_gradient(v) else ops.divide(g, scale)
+                    for g, v in zip(grads, tvs)]
+        self.inner_optimizer.apply(unscaled, trainable_variables=trainable_variables)
+        grow = ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
+        counter, current = ops.convert_to_tensor(self.step_counter), ops.convert_to_tensor(self.dynamic_scale)
+        self.step_counter.assign(ops.where(grow, ops.zeros_like(counter), counter + 1))
+        self.dynamic_scale.assign(ops.where(grow, current * 2.0, current))
+
+    if not hasattr(optimizer, "_stateful_handle_finite_grads"):
+        raise AttributeError("LossScaleOptimizer has no _stateful_handle_finite_grads: re-check "
+                             "kerasdist/_keras_internals/layers.py against this Keras")
+    object.__setattr__(optimizer, "_stateful_handle_finite_grads", types.MethodType(handle_finite_grads, optimizer))
+    return optimizer
