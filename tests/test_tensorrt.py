@@ -190,3 +190,18 @@ def test_real_engine_builds_and_deserializes_on_an_nvidia_gpu(model, data, tmp_p
     assert engine is not None and engine.num_io_tensors == 2
     assert tuple(engine.get_tensor_shape(engine.get_tensor_name(0)))[1:] == (10, 10, 1)
     assert os.path.getsize(result.path) > 0
+
+
+@run_if(nvidia_gpu=True)
+def test_int8_engine_from_a_tensorrt_qat_model_needs_no_representative_data(data, tmp_path):
+    import keras
+    import tensorrt as trt
+
+    keras.utils.set_random_seed(0)
+    qat_model = keras.Sequential([keras.Input((10, 10, 1)), keras.layers.Conv2D(8, 3, activation="relu"),
+                                  keras.layers.Flatten(), keras.layers.Dense(4)])
+    qat_model.compile(loss="mse", optimizer="sgd", distribute=kerasdist.tensorrt(sparsity="2:4"))
+    qat_model.fit(data[:64], np.zeros((64, 4), "float32"), batch_size=16, epochs=1, verbose=0)
+    result = kerasdist.export(qat_model, tmp_path / "qat.engine", format="tensorrt", precision="int8")
+    engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(open(result.path, "rb").read())
+    assert engine is not None and engine.num_io_tensors == 2
