@@ -217,8 +217,7 @@ def choose(model, layer_names):
     skipped = {layer.name: why_unsupported(layer) for layer in candidates if why_unsupported(layer)}
     if skipped:
         warnings.warn("quantize: skipping " + "; ".join(f"{name!r} ({why})" for name, why in skipped.items())
-                      + ": they stay float.", kerasdist.PluginWarning if hasattr(kerasdist, "PluginWarning")
-                      else UserWarning, stacklevel=4)
+                      + ": they stay float.", UserWarning, stacklevel=4)
     chosen = [layer for layer in candidates if layer.name not in skipped]
     if not chosen:
         types = sorted({type(layer).__name__ for layer in layers}) or ["none"]

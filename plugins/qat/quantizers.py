@@ -23,6 +23,9 @@ def mode():
 
 @contextlib.contextmanager
 def export_mode(name):
+    """Trace the model in mode ``name`` (one of MODES) inside the block."""
+    if name not in MODES:
+        raise ValueError(f"export_mode({name!r}): choose one of {MODES}")
     previous, _state.mode = mode(), name
     try:
         yield
@@ -123,7 +126,6 @@ def moving_average(variable, value, decay):
 
 def fake_quant_activations(x, low_var, high_var, training, decay=EMA_DECAY, symmetric=False, bits=8):
     """Fake-quantize ``x`` per tensor with the range variables, updating them first when training."""
-    import keras
     from keras import ops
 
     if mode() == "float":
