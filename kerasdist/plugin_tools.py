@@ -14,7 +14,8 @@ import numbers
 import socket
 import sys
 
-from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, all_layers, bind_model,
+from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, all_layers,
+                               assign_state_from_first_replica, bind_model, update_loss_scale_once_per_step,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
                                is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
@@ -37,6 +38,7 @@ __all__ = [
     "parameter_server_strategy", "symbolic_build",
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
     "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
+    "assign_state_from_first_replica", "update_loss_scale_once_per_step",
 ]
 
 

@@ -10,12 +10,22 @@ import kerasdist
 class CentralStorage(kerasdist.StrategySpec):
     """``tf.distribute.experimental.CentralStorageStrategy``.
 
+    Trains as ``mirrored`` does, mixed precision and BatchNormalization included: a variable Keras writes
+    from inside the replicas without an aggregation (moving statistics, the loss scale) takes the first
+    replica's value, the value a MirroredStrategy's primary copy holds (with ``sync_batch_norm=True`` the
+    replicas' values are equal, and equal one device's).
+
     :param compute_devices: replica devices (default: all GPUs, else all logical CPUs).
     :param parameter_device: where variables live (default: the CPU).
+    :param sync_batch_norm: BatchNormalization layers use the statistics of the whole global batch
+        (one all-reduce of mean and variance per layer and step), as on one device; off by default:
+        each replica then normalizes with its own share of the batch, and the moving statistics are
+        the first replica's.
     """
 
     compute_devices: Optional[Sequence[str]] = None
     parameter_device: Optional[str] = None
+    sync_batch_norm: bool = False
 
     def identity(self):
         """Equal when the devices are (the default devices resolved)."""
@@ -37,43 +47,33 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.plugin_tools import check_devices_exist, local_replica_devices
+    from kerasdist.plugin_tools import assign_state_from_first_replica, check_devices_exist, local_replica_devices
 
     devices = list(spec.compute_devices) if spec.compute_devices else local_replica_devices()
     check_devices_exist(devices + ([spec.parameter_device] if spec.parameter_device else []),
                         plugin="central_storage")
-    return tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device)
+    strategy = tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device)
+    assign_state_from_first_replica(strategy)
+    return strategy
 
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
-    """Uneven global batches and gradient accumulation train as on one device."""
+    """Uneven global batches, gradient accumulation and synchronized batch statistics train as on one device."""
     if isinstance(spec, CentralStorage):
-        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
-
-        _refuse_what_fails_in_fit(model)
+        from kerasdist.plugin_tools import (accumulate_across_replicas, synchronize_batch_norm,
+                                            weight_replicas_by_batch_share)
 
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+        if spec.sync_batch_norm:
+            synchronize_batch_norm(model)
 
 
-def _refuse_what_fails_in_fit(model):
-    """What CentralStorageStrategy cannot run in Keras 3.15 fails here, not deep inside fit: variables that
-    Keras assigns in replica context without an aggregation (the loss scale of mixed precision, the moving
-    statistics of BatchNormalization) are AggregatingVariables there, which refuse such assignments."""
-    import keras
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, model, spec):
+    """Mixed precision: the loss scale Keras's compile wrapped the optimizer in updates once per step."""
+    if isinstance(spec, CentralStorage) and method == "fit":
+        from kerasdist.plugin_tools import update_loss_scale_once_per_step
 
-    from kerasdist.plugin_tools import all_layers
-
-    policy = keras.mixed_precision.global_policy().name
-    if policy.startswith("mixed"):
-        raise kerasdist.KerasdistError(
-            f"central_storage: the mixed precision policy {policy!r} cannot train under CentralStorageStrategy "
-            "(its loss scale is assigned in replica context, which the strategy refuses); use "
-            "distribute='mirrored', or the 'float32' policy.")
-    norms = sorted({layer.name for layer in all_layers(model) if isinstance(layer, keras.layers.BatchNormalization)})
-    if norms:
-        raise kerasdist.KerasdistError(
-            f"central_storage: BatchNormalization layers {norms} cannot train under CentralStorageStrategy (their "
-            "moving statistics are assigned in replica context, which the strategy refuses); use "
-            "distribute='mirrored' (with sync_batch_norm=True for whole-batch statistics).")
+        update_loss_scale_once_per_step(model.optimizer)

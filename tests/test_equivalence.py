@@ -40,15 +40,9 @@ COLUMNS = {
     "small_last_batch": (["--small-last-batch"], 1e-5),
 }
 ROWS = ("mirrored", "central_storage", "multiworker", "horovod")
-#: (column, row) cells that do not pass yet, with why; every other cell is asserted. Remove an entry
-#: when its fix lands (accumulation, synchronized BatchNormalization and the small last batch are
-#: the `replicas` work).
-NOT_YET = {
-    ("mixed_float16", "central_storage"): "refused at compile: CentralStorageStrategy refuses the loss scale's "
-                                          "assignments in replica context (Keras's AggregatingVariable)",
-    ("bn_sync", "central_storage"): "refused at compile: BatchNormalization's moving statistics hit the same "
-                                    "AggregatingVariable error (and there is no sync_batch_norm option)",
-}
+#: (column, row) cells that do not pass yet, with why; every other cell is asserted. Add an entry (and
+#: its reason) only for a cell that cannot pass yet; none is left.
+NOT_YET = {}
 needs_horovod = run_if(horovod=True)
 
 
