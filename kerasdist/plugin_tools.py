@@ -14,8 +14,9 @@ import numbers
 import socket
 import sys
 
-from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, disable_per_channel_quantization,
-                               first_replica_assigns_unaggregated, loss_scale_updates_without_cond, all_layers, bind_model,
+from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, all_layers,
+                               assign_state_from_first_replica, bind_model, disable_per_channel_quantization,
+                               update_loss_scale_once_per_step,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
                                is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
@@ -40,7 +41,7 @@ __all__ = [
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
     "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
-    "first_replica_assigns_unaggregated", "loss_scale_updates_without_cond",
+    "assign_state_from_first_replica", "update_loss_scale_once_per_step",
 ]
 
 

@@ -10,11 +10,17 @@ import kerasdist
 class CentralStorage(kerasdist.StrategySpec):
     """``tf.distribute.experimental.CentralStorageStrategy``.
 
+    Trains as ``mirrored`` does, mixed precision and BatchNormalization included: a variable Keras writes
+    from inside the replicas without an aggregation (moving statistics, the loss scale) takes the first
+    replica's value, the value a MirroredStrategy's primary copy holds (with ``sync_batch_norm=True`` the
+    replicas' values are equal, and equal one device's).
+
     :param compute_devices: replica devices (default: all GPUs, else all logical CPUs).
     :param parameter_device: where variables live (default: the CPU).
     :param sync_batch_norm: BatchNormalization layers use the statistics of the whole global batch
-        (Keras's ``synchronized=True``), so training equals one device's; off, each replica normalizes
-        with its own part of the batch and the moving statistics are the first replica's.
+        (one all-reduce of mean and variance per layer and step), as on one device; off by default:
+        each replica then normalizes with its own share of the batch, and the moving statistics are
+        the first replica's.
     """
 
     compute_devices: Optional[Sequence[str]] = None
@@ -41,43 +47,33 @@ def kerasdist_create_strategy(spec):
         return None
     import tensorflow as tf
 
-    from kerasdist.plugin_tools import check_devices_exist, first_replica_assigns_unaggregated, local_replica_devices
+    from kerasdist.plugin_tools import assign_state_from_first_replica, check_devices_exist, local_replica_devices
 
     devices = list(spec.compute_devices) if spec.compute_devices else local_replica_devices()
     check_devices_exist(devices + ([spec.parameter_device] if spec.parameter_device else []),
                         plugin="central_storage")
-    # BatchNormalization's moving statistics are assigned in replica context
-    return first_replica_assigns_unaggregated(
-        tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device))
+    strategy = tf.distribute.experimental.CentralStorageStrategy(devices, parameter_device=spec.parameter_device)
+    assign_state_from_first_replica(strategy)
+    return strategy
 
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
-    """Uneven global batches, gradient accumulation and (with sync_batch_norm) batch statistics train as on
-    one device."""
+    """Uneven global batches, gradient accumulation and synchronized batch statistics train as on one device."""
     if isinstance(spec, CentralStorage):
-        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
+        from kerasdist.plugin_tools import (accumulate_across_replicas, synchronize_batch_norm,
+                                            weight_replicas_by_batch_share)
 
-        _loss_scale_for_central_storage(compile_kwargs)
         weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
         accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
         if spec.sync_batch_norm:
-            from kerasdist.plugin_tools import synchronize_batch_norm
-
             synchronize_batch_norm(model)
 
 
-def _loss_scale_for_central_storage(compile_kwargs):
-    """Under a mixed_float16 policy Keras wraps the optimizer in a LossScaleOptimizer, whose loss-scale update
-    (a cond in replica context) cannot assign this strategy's variables; wrapped here, it updates with
-    unconditional assignments instead (the same values)."""
-    import keras
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, model, spec):
+    """Mixed precision: the loss scale Keras's compile wrapped the optimizer in updates once per step."""
+    if isinstance(spec, CentralStorage) and method == "fit":
+        from kerasdist.plugin_tools import update_loss_scale_once_per_step
 
-    from kerasdist.plugin_tools import loss_scale_updates_without_cond
-
-    if keras.mixed_precision.global_policy().name != "mixed_float16":
-        return
-    optimizer = compile_kwargs["optimizer"]
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-    compile_kwargs["optimizer"] = loss_scale_updates_without_cond(optimizer)
+        update_loss_scale_once_per_step(model.optimizer)

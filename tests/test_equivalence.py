@@ -40,9 +40,8 @@ COLUMNS = {
     "small_last_batch": (["--small-last-batch"], 1e-5),
 }
 ROWS = ("mirrored", "central_storage", "multiworker", "horovod")
-#: (column, row) cells that do not pass yet, with why; every other cell is asserted. Remove an entry
-#: when its fix lands (accumulation, synchronized BatchNormalization and the small last batch are
-#: the `replicas` work).
+#: (column, row) cells that do not pass yet, with why; every other cell is asserted. Add an entry (and
+#: its reason) only for a cell that cannot pass yet; none is left.
 NOT_YET = {}
 needs_horovod = run_if(horovod=True)
 

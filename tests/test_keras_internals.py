@@ -324,41 +324,81 @@ def test_tflite_converter_still_has_its_per_channel_switch():
     assert converter._experimental_disable_per_channel is True
 
 
-def test_central_storage_gives_unaggregated_state_the_first_replicas_value():
-    from kerasdist.plugin_tools import first_replica_assigns_unaggregated, local_replica_devices
+def _central_storage():
+    from kerasdist.plugin_tools import local_replica_devices
 
-    strategy = first_replica_assigns_unaggregated(
-        tf.distribute.experimental.CentralStorageStrategy(local_replica_devices()))
-    assert isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy)
+    return tf.distribute.experimental.CentralStorageStrategy(local_replica_devices()[:2])
+
+
+def test_central_storage_creates_variables_through_its_extended_create_variable():
+    """assign_state_from_first_replica replaces StrategyExtended._create_variable on the instance, which the
+    strategy's scope calls for every variable; its AggregatingVariables refuse unaggregated replica writes
+    (TF 2.21)."""
+    import inspect
+
+    from tensorflow.python.distribute import distribute_lib, ps_values
+
+    scope = inspect.getsource(distribute_lib.StrategyExtendedV2._scope)
+    assert "self._create_variable(next_creator, **kwargs)" in scope
+    assert "aggregation method" in ps_values.values_util.aggregation_error_msg
+    strategy = _central_storage()
+    internals.assign_state_from_first_replica(strategy)
+    internals.assign_state_from_first_replica(strategy)  # idempotent
     with strategy.scope():
-        state = keras.Variable(0.0, trainable=False, name="state")
-        weight = keras.Variable(0.0, trainable=True, name="weight")
+        layer = keras.layers.BatchNormalization()
+        layer.build((None, 3))
+        state = keras.Variable(0.0, trainable=False)
+        weight = keras.Variable(0.0)
+    assert isinstance(layer.moving_mean.value, ps_values.AggregatingVariable)
+    assert layer.moving_mean.value.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
     assert state.value.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
-    assert weight.value.aggregation == tf.VariableAggregation.NONE
+    assert weight.value.aggregation == tf.VariableAggregation.NONE  # trainable: updated by the optimizer
+
+
+def test_keras_metric_updates_are_assign_of_the_sum_and_summed_once_when_patched():
+    """Keras's assign_add is ``assign(self + value)`` (Keras 3.15): on a summing AggregatingVariable the
+    replicas' writes count the old value once per replica; install_summed_metric_updates patches the TF
+    backend's Variable class so that each replica's increment counts once."""
+    import inspect
+
+    from keras.src.backend.tensorflow.core import Variable
+
+    from kerasdist._keras_internals import central
+
+    assert "self.assign(self + value)" in inspect.getsource(keras.src.backend.common.variables.Variable.assign_add)
+    installed_before = bool(central._keras_variable_patches)  # by a cached central_storage strategy
+    strategy = _central_storage()
+    internals.assign_state_from_first_replica(strategy)
+    assert Variable.assign_add is not central._keras_variable_patches["assign_add"]
+    with strategy.scope():
+        metric = keras.metrics.Sum()
 
     @tf.function
-    def step():
-        def replica_fn():
-            state.assign(3.0)  # refused in replica context without an aggregation
-        strategy.run(replica_fn)
+    def step(values):
+        strategy.run(lambda v: metric.update_state(v), args=(values,))
 
-    step()
-    assert float(state.numpy()) == 3.0
+    data = strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).map(lambda i: tf.cast(i, tf.float32)).batch(4))
+    for batch in data:
+        step(batch)
+    assert float(metric.result()) == 28.0  # unpatched: 2 x 6 + 22 = 34
+    if not installed_before:
+        central.uninstall_summed_metric_updates()
+        assert Variable.assign_add is keras.src.backend.common.variables.Variable.assign_add
 
 
-def test_loss_scale_update_without_cond_gives_the_conds_values():
-    from kerasdist.plugin_tools import loss_scale_updates_without_cond
+def test_loss_scale_optimizer_internals_replaced_for_central_storage():
+    """update_loss_scale_once_per_step replaces LossScaleOptimizer._stateful_handle_finite_grads and reads
+    _overwrite_variable_with_gradient and _trainable_variables (Keras 3.15)."""
+    import inspect
 
-    def run(optimizer, grads_sequence):
-        variable = keras.Variable([1.0])
-        optimizer.build([variable])
-        for grads in grads_sequence:
-            optimizer.apply([tf.constant(grads)], [variable])
-        return int(optimizer.step_counter.numpy()), float(optimizer.dynamic_scale.numpy()), variable.numpy()
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
 
-    sequence = [[1.0]] * 4 + [[float("inf")]] + [[2.0]] * 3
-    keras_own = run(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=2), sequence)
-    patched = run(loss_scale_updates_without_cond(
-        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), dynamic_growth_steps=2)), sequence)
-    assert keras_own[:2] == patched[:2] and np.array_equal(keras_own[2], patched[2])
-    assert keras_own[:2] == (1, 2.0 ** 15 * 4)  # grew 3 times, halved once: both branches taken
+    source = inspect.getsource(LossScaleOptimizer._tf_apply)
+    assert "self._stateful_handle_finite_grads" in source and "self.check_finite" in source
+    assert "ops.cond(" in inspect.getsource(LossScaleOptimizer._stateful_handle_finite_grads)
+    optimizer = LossScaleOptimizer(keras.optimizers.SGD())
+    optimizer.build([keras.Variable(np.zeros((2,), "float32"))])
+    assert callable(optimizer._overwrite_variable_with_gradient) and len(optimizer._trainable_variables) == 1
+    internals.update_loss_scale_once_per_step(optimizer)
+    assert "_stateful_handle_finite_grads" in vars(optimizer) and "check_finite" in vars(optimizer)
+    assert bool(optimizer.check_finite([tf.constant([1.0])])) and not bool(optimizer.check_finite([tf.constant([np.inf])]))

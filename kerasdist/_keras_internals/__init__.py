@@ -9,7 +9,8 @@ private attributes and ``Variable._initialize``. Everything private lives here;
 
 This package is that one module, in parts: strategies, multi-worker and parameter-server training here;
 what a training step and its variables need (uneven batches, gradient accumulation, synchronized batch
-statistics, JAX layouts) in ``training.py``.
+statistics, JAX layouts) in ``training.py``; replica writes to CentralStorageStrategy's variables in
+``central.py``.
 """
 
 import contextlib
@@ -374,9 +375,9 @@ def make_chief_aware_backup(backup_dir, write_dir, **kwargs):
     return ChiefAwareBackupAndRestore(backup_dir, **kwargs)
 
 
-from .layers import (disable_per_channel_quantization, first_replica_assigns_unaggregated,  # noqa: E402,F401
-                     loss_scale_updates_without_cond, refresh_call_signature, state_unlocked)  # noqa: E402,F401
+from .layers import disable_per_channel_quantization, refresh_call_signature, state_unlocked  # noqa: E402,F401  # noqa: E402,F401
 from .ps import PS_COORDINATOR_JOB, parameter_server_strategy, symbolic_build  # noqa: E402,F401
 from .training import (accumulate_across_replicas, all_layers, keras_tree, lay_out_variables,  # noqa: E402,F401
                        set_batch_share_weighting, synchronize_batch_norm, variable_layout,
                        weight_replicas_by_batch_share)
+from .central import assign_state_from_first_replica, update_loss_scale_once_per_step  # noqa: E402,F401
