@@ -41,7 +41,7 @@ __all__ = [
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
     "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
-    "assign_state_from_first_replica", "update_loss_scale_once_per_step",
+    "assign_state_from_first_replica", "update_loss_scale_once_per_step", "replicas_train_as_one_device",
 ]
 
 
@@ -260,3 +260,13 @@ def first_array(value):
     while isinstance(value, (dict, list, tuple)) and value:
         value = next(iter(value.values())) if isinstance(value, dict) else value[0]
     return value
+
+
+def replicas_train_as_one_device(model, optimizer, strategy, sync_batch_norm=False):
+    """What makes a tf.distribute strategy's replicas train as one device on the global batch: uneven
+    batches weighted by each replica's share, Keras's gradient accumulation decided across replicas, and
+    (``sync_batch_norm``) batch statistics of the whole batch. Call from ``kerasdist_adjust_compile``."""
+    weight_replicas_by_batch_share(model, optimizer, strategy)
+    accumulate_across_replicas(optimizer, strategy)
+    if sync_batch_norm:
+        synchronize_batch_norm(model)

@@ -79,11 +79,6 @@ def kerasdist_create_strategy(spec):
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Uneven global batches and gradient accumulation train as on one device."""
     if isinstance(spec, Mirrored):
-        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
+        from kerasdist.plugin_tools import replicas_train_as_one_device
 
-        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
-        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
-        if spec.sync_batch_norm:
-            from kerasdist.plugin_tools import synchronize_batch_norm
-
-            synchronize_batch_norm(model)
+        replicas_train_as_one_device(model, compile_kwargs["optimizer"], strategy, spec.sync_batch_norm)

@@ -189,14 +189,9 @@ def kerasdist_prepare_model(model, strategy, spec):
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":
-        from kerasdist.plugin_tools import accumulate_across_replicas, weight_replicas_by_batch_share
+        from kerasdist.plugin_tools import replicas_train_as_one_device
 
-        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
-        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
-        if spec.sync_batch_norm:
-            from kerasdist.plugin_tools import synchronize_batch_norm
-
-            synchronize_batch_norm(model)
+        replicas_train_as_one_device(model, compile_kwargs["optimizer"], strategy, spec.sync_batch_norm)
 
 
 @kerasdist.hookimpl

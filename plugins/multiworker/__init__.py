@@ -135,13 +135,9 @@ def kerasdist_create_strategy(spec, cluster):
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
     if isinstance(spec, MultiWorker):
-        from kerasdist.plugin_tools import (accumulate_across_replicas, synchronize_batch_norm,
-                                            weight_replicas_by_batch_share)
+        from kerasdist.plugin_tools import replicas_train_as_one_device
 
-        weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
-        accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
-        if spec.sync_batch_norm:
-            synchronize_batch_norm(model)
+        replicas_train_as_one_device(model, compile_kwargs["optimizer"], strategy, spec.sync_batch_norm)
 
 
 # -- fit / evaluate / predict --------------------------------------------------------
