@@ -58,14 +58,15 @@ def test_mixed_float16_loss_scale_grows_and_counts_as_on_one_device(mixed_float1
     assert diff <= 2.0 ** -11 * max(float(np.abs(w).max()) for w in weights)
 
 
-def test_an_overflow_in_one_replicas_share_skips_the_step_for_every_replica(mixed_float16):
+@pytest.mark.parametrize("distribute", ["central_storage", "mirrored"])
+def test_an_overflow_in_one_replicas_share_skips_the_step_for_every_replica(mixed_float16, distribute):
     """The second half of the batch (replica 1's share) is beyond float16's range: one device skips the
     step and halves the scale; so must both replicas (Keras alone takes replica 0's finite answer and
     applies NaN: what stock MirroredStrategy does)."""
     x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
     x[8:] = 1e5
     weights, scale, _, _ = _loss_scaled_run(None, x, y, initial_scale=32768.0)
-    theirs, their_scale, _, _ = _loss_scaled_run("central_storage", x, y, initial_scale=32768.0)
+    theirs, their_scale, _, _ = _loss_scaled_run(distribute, x, y, initial_scale=32768.0)
     assert their_scale == scale == 32768.0 / 2
     for a, b in zip(weights, theirs):
         np.testing.assert_array_equal(a, b)

@@ -89,8 +89,9 @@ def uninstall_summed_metric_updates():
 
 
 def update_loss_scale_once_per_step(optimizer):
-    """Make a ``keras.optimizers.LossScaleOptimizer`` train under CentralStorageStrategy, as under
-    MirroredStrategy. Other optimizers are left alone. Idempotent.
+    """Make a ``keras.optimizers.LossScaleOptimizer`` train under CentralStorageStrategy as under
+    MirroredStrategy, and under both as on one device when one replica's gradients overflow. Other
+    optimizers are left alone. Idempotent.
 
     - Keras updates the loss scale's step counter (and grows the scale) inside a ``cond`` in replica
       context (``LossScaleOptimizer._stateful_handle_finite_grads``, private; Keras 3.15); a write that
