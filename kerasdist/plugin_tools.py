@@ -262,11 +262,25 @@ def first_array(value):
     return value
 
 
-def replicas_train_as_one_device(model, optimizer, strategy, sync_batch_norm=False):
+def replicas_train_as_one_device(compile_kwargs, model, strategy, sync_batch_norm=False):
     """What makes a tf.distribute strategy's replicas train as one device on the global batch: uneven
-    batches weighted by each replica's share, Keras's gradient accumulation decided across replicas, and
-    (``sync_batch_norm``) batch statistics of the whole batch. Call from ``kerasdist_adjust_compile``."""
-    weight_replicas_by_batch_share(model, optimizer, strategy)
-    accumulate_across_replicas(optimizer, strategy)
+    batches weighted by each replica's share, Keras's gradient accumulation decided across replicas,
+    (``sync_batch_norm``) batch statistics of the whole batch, and, for the replicas of one process
+    (MirroredStrategy, CentralStorageStrategy) under mixed_float16, a step skipped when any replica's
+    gradients overflow (the optimizer is wrapped in its LossScaleOptimizer here, as Keras's compile would;
+    multi-worker transports sum the gradients before the check instead). Call from ``kerasdist_adjust_compile`` with its ``compile_kwargs``."""
+    import keras
+    import tensorflow as tf
+
+    in_one_process = isinstance(strategy, (tf.distribute.MirroredStrategy,
+                                           tf.distribute.experimental.CentralStorageStrategy))
+    if in_one_process and keras.mixed_precision.global_policy().name == "mixed_float16":
+        optimizer = compile_kwargs["optimizer"]
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        update_loss_scale_once_per_step(optimizer)
+        compile_kwargs["optimizer"] = optimizer
+    weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
+    accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
     if sync_batch_norm:
         synchronize_batch_norm(model)

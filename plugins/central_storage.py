@@ -63,13 +63,5 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, CentralStorage):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
-        replicas_train_as_one_device(model, compile_kwargs["optimizer"], strategy, spec.sync_batch_norm)
+        replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
 
-
-@kerasdist.hookimpl
-def kerasdist_adjust_call(method, model, spec):
-    """Mixed precision: the loss scale Keras's compile wrapped the optimizer in updates once per step."""
-    if isinstance(spec, CentralStorage) and method == "fit":
-        from kerasdist.plugin_tools import update_loss_scale_once_per_step
-
-        update_loss_scale_once_per_step(model.optimizer)

@@ -81,14 +81,5 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, Mirrored):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
-        replicas_train_as_one_device(model, compile_kwargs["optimizer"], strategy, spec.sync_batch_norm)
+        replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
 
-
-@kerasdist.hookimpl
-def kerasdist_adjust_call(method, model, spec):
-    """Mixed precision: a step skips (and the loss scale shrinks) when any replica's gradients overflow, as on
-    one device; Keras alone checks only the first replica's and would apply the others' inf."""
-    if isinstance(spec, Mirrored) and method == "fit":
-        from kerasdist.plugin_tools import update_loss_scale_once_per_step
-
-        update_loss_scale_once_per_step(model.optimizer)

@@ -191,7 +191,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
-        replicas_train_as_one_device(model, compile_kwargs["optimizer"], strategy, spec.sync_batch_norm)
+        replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
 
 
 @kerasdist.hookimpl

@@ -137,7 +137,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, MultiWorker):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
-        replicas_train_as_one_device(model, compile_kwargs["optimizer"], strategy, spec.sync_batch_norm)
+        replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
 
 
 # -- fit / evaluate / predict --------------------------------------------------------
