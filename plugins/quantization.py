@@ -173,8 +173,9 @@ def litert_converter(model, mode, representative_data=None, calibration_steps=10
     if mode == "float16":
         converter.target_spec.supported_types = [tf.float16]
     if mode == "int8":
-        converter.representative_dataset = lambda: calibration_batches(representative_data, calibration_steps)
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+        if representative_data is not None:  # post-training calibration; a QAT model carries its own ranges
+            converter.representative_dataset = lambda: calibration_batches(representative_data, calibration_steps)
+            converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
         if int8_io:
             converter.inference_input_type = tf.int8
             converter.inference_output_type = tf.int8
@@ -244,8 +245,6 @@ def _write(model, converter, filepath, format, verify_with):
 def _export_quantization_aware(model, filepath, format, mode, representative_data, int8_io, verify_with):
     """A model trained with ``quantize()``: "litert-int8" converts its learned ranges (full integer, no
     calibration); the other formats are of the float model (the fake quantization is left out)."""
-    import tensorflow as tf
-
     if mode == "int8" and representative_data is not None:
         raise kerasdist.KerasdistError(
             "export(format='litert-int8'): this model was trained with quantize() and carries its learned int8 "
@@ -261,14 +260,7 @@ def _export_quantization_aware(model, filepath, format, mode, representative_dat
                 f"export(format={format!r}): this model was trained with the {qat.recipe_of(model)!r} recipe "
                 "(symmetric Q/DQ for TensorRT); export it with format='onnx' or 'tensorrt', or train with quantize().")
     with qat.export_mode("litert" if mode == "int8" else "float"):
-        converter = tf.lite.TFLiteConverter.from_keras_model(model)
-        if mode != "float32":
-            converter.optimizations = [tf.lite.Optimize.DEFAULT]
-        if mode == "float16":
-            converter.target_spec.supported_types = [tf.float16]
-        if int8_io:
-            converter.inference_input_type = converter.inference_output_type = tf.int8
-        return _write(model, converter, filepath, format, verify_with)
+        return _write(model, litert_converter(model, mode, int8_io=int8_io), filepath, format, verify_with)
 
 
 @kerasdist.hookimpl

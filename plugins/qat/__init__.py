@@ -213,5 +213,4 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
     if isinstance(spec, TensorRT) and spec.sparsity:
         from kerasdist_plugins import pruning
 
-        pruning.kerasdist_adjust_call(method, call_kwargs, model, pruning.state_of(model).spec
-                                      if pruning.state_of(model) else _sparsity_spec())
+        pruning.kerasdist_adjust_call(method, call_kwargs, model, _sparsity_spec())

@@ -13,6 +13,8 @@ import warnings
 
 import kerasdist
 
+from kerasdist_plugins.qat.quantizers import EMA_DECAY
+
 FUSED_ACTIVATIONS = ("linear", "relu", "relu6")
 
 
@@ -26,7 +28,7 @@ class LayerPlan:
     input: bool = False
     output: bool = False
     pre_activation: bool = False
-    ema_decay: float = 0.999
+    ema_decay: float = EMA_DECAY
 
     def to_config(self):
         return dataclasses.asdict(self)
@@ -96,6 +98,8 @@ class Graph:
     """Producers and consumers of a functional (or Sequential) model's tensors."""
 
     def __init__(self, model):
+        import keras
+
         self.layers = list(getattr(model, "layers", []))
         self.producer, self.consumers, self.known = {}, {}, True
         for layer in self.layers:
@@ -104,8 +108,6 @@ class Graph:
             except (AttributeError, ValueError):  # a subclassed model, or a layer called twice
                 self.known = False
                 continue
-            import keras
-
             for tensor in keras.tree.flatten(outputs):
                 self.producer[id(tensor)] = layer
             for tensor in keras.tree.flatten(inputs):

@@ -165,10 +165,7 @@ def make_quantization_aware(layer, plan):
     """Switch ``layer`` to its QAT class with ``plan``; its variables and graph stay."""
     from kerasdist.plugin_tools import refresh_call_signature
 
-    base = type(layer)
-    if isinstance(layer, QuantizationAware):
-        base = next(cls for cls in base.__mro__ if cls is not QuantizationAware and not issubclass(cls, QuantizationAware))
-    layer.__class__ = class_for(base)
+    layer.__class__ = class_for(type(layer))
     layer.set_quantization_plan(plan)
     refresh_call_signature(layer)
 
