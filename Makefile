@@ -4,22 +4,32 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.kerasdist-installed
+# The set-up installs exactly the versions in the lock (every package, transitive ones included,
+# with hashes), so a fresh clone installs the same set on any day. pyproject.toml keeps ranges for
+# users. `make lock` refreshes the lock on purpose; nothing else changes it.
+LOCK := requirements/lock.txt
+NO_DEPS_LOCK := requirements/no-deps.txt
+LOCK_PYTHON := 3.11
+LOCK_PLATFORM := x86_64-manylinux_2_28
+TOOLS := $${KERASDIST_CACHE:-$$HOME/.cache/kerasdist}/tools
+UV := $(TOOLS)/bin/uv
+UV_VERSION := 0.13.9
 # Horovod (distribute="horovod") is built from source with TF + Gloo; the wheel is cached in
 # $${KERASDIST_CACHE:-~/.cache/kerasdist}/wheels, so only the first set-up builds it (~4-6 min).
 # HOROVOD=0 skips it (the horovod plugin is then listed as unavailable and its tests skip).
 HOROVOD ?= 1
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench bench-horovod venv clean
+.PHONY: demo test bench bench-horovod venv lock check-lock test-latest test-keras-nightly clean
 
-$(STAMP): pyproject.toml .ci/build_horovod.sh
+$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) .ci/build_horovod.sh .ci/check_lock.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[cpu,jax,test]'
-	# The QAT oracle test runs TFMOT (in its own process): tf-keras requires the `tensorflow` wheel,
-	# which would install over tensorflow-cpu, so both come without dependencies (the test extra has theirs).
-	$(PIP) install --no-deps 'tf-keras>=2.20,<2.22' 'tensorflow-model-optimization==0.8.1'
+	$(PY) .ci/check_lock.py --platform-only $(LOCK_PYTHON)
+	$(PIP) install --require-hashes --no-deps -r $(LOCK)
+	$(PIP) install --require-hashes --no-deps -r $(NO_DEPS_LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e .
 	if [ "$(HOROVOD)" = 1 ]; then bash .ci/build_horovod.sh $(PY); fi
+	$(PY) .ci/check_lock.py $(LOCK) $(NO_DEPS_LOCK)
 	touch $@
 
 venv: $(STAMP)
@@ -30,6 +40,41 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -ra
 
+# `pip freeze` of the venv against the lock (also run at the end of every set-up).
+check-lock: $(STAMP)
+	$(PY) .ci/check_lock.py $(LOCK) $(NO_DEPS_LOCK)
+
+# Refresh the lock on purpose: the newest versions that pyproject.toml's ranges allow today.
+lock:
+	test -x $(UV) || { $(PYTHON) -m venv $(TOOLS) && $(TOOLS)/bin/pip -q install 'uv==$(UV_VERSION)'; }
+	$(UV) pip compile pyproject.toml requirements/setup-extras.in --extra cpu --extra jax --extra test \
+	    --constraint requirements/constraints.in \
+	    --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) --generate-hashes \
+	    --custom-compile-command 'make lock' --upgrade -o $(LOCK)
+	$(UV) pip compile requirements/no-deps.in --no-deps \
+	    --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) --generate-hashes \
+	    --custom-compile-command 'make lock' --upgrade -o $(NO_DEPS_LOCK)
+
+# Not part of `make test`: the suite on the newest versions the ranges allow today, and on the
+# next Keras (keras-nightly in place of keras). Each in its own venv.
+test-latest:
+	$(MAKE) --no-print-directory fresh-venv-test VENV_X=.venv-latest KERAS_PKG=
+
+test-keras-nightly:
+	$(MAKE) --no-print-directory fresh-venv-test VENV_X=.venv-keras-nightly KERAS_PKG=keras-nightly
+
+fresh-venv-test:
+	rm -rf $(VENV_X) && $(PYTHON) -m venv $(VENV_X)
+	$(VENV_X)/bin/python -m pip -q install --upgrade pip
+	$(VENV_X)/bin/python -m pip -q install --upgrade --upgrade-strategy eager -e '.[cpu,jax,test]'
+	$(VENV_X)/bin/python -m pip -q install --no-deps -r requirements/no-deps.in
+	if [ -n "$(KERAS_PKG)" ]; then $(VENV_X)/bin/python -m pip -q uninstall -y keras && \
+	    $(VENV_X)/bin/python -m pip -q install --pre --no-deps $(KERAS_PKG); fi
+	if [ "$(HOROVOD)" = 1 ]; then $(VENV_X)/bin/python -m pip -q install setuptools wheel cloudpickle cffi && \
+	    bash .ci/build_horovod.sh $(VENV_X)/bin/python; fi
+	$(VENV_X)/bin/python -m pip freeze | grep -iE '^(keras|keras-nightly|tensorflow-cpu|jax|numpy|onnxruntime|protobuf)==' || true
+	$(VENV_X)/bin/python -m pytest -ra -p no:cacheprovider
+
 bench: $(STAMP)
 	$(PY) bench/bench_mirrored.py
 
@@ -37,4 +82,4 @@ bench-horovod: $(STAMP)
 	$(PY) bench/bench_horovod.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-latest .venv-keras-nightly build *.egg-info

@@ -6,8 +6,8 @@
 # Horovod's last release does not build against TF >= 2.16 unchanged: its optional XLA ops
 # (horovod/tensorflow/xla_mpi_ops.cc) include headers that moved in newer XLA. We build the
 # PyPI sdist with that one source file left out of horovod/tensorflow/CMakeLists.txt.
-# The wheel is cached outside the repository, keyed by horovod + TF + Python + controller
-# versions, so re-runs only reinstall it (seconds). Nothing from horovod is written into the repo.
+# The wheel is cached outside the repository, keyed by what it was built against (see KEY), so
+# re-runs only reinstall it (seconds). Nothing from horovod is written into the repo.
 set -euo pipefail
 
 HOROVOD_VERSION="${HOROVOD_VERSION:-0.28.1}"
@@ -38,7 +38,12 @@ if command -v mpicxx >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then
 else
   CONTROLLERS="gloo"; MPI_FLAG=(HOROVOD_WITHOUT_MPI=1)
 fi
-KEY="horovod-${HOROVOD_VERSION}_tf-${TF_VERSION}_${PY_TAG}_${ARCH}_${CONTROLLERS}"
+# The key names everything the wheel was built against: the TensorFlow distribution and version it
+# compiled against, Python, machine, controllers, the C++ compiler, and this script (its patch).
+TF_DIST=tensorflow; [ -n "$(meta_version tensorflow-cpu)" ] && TF_DIST=tensorflow-cpu
+CXX_VERSION="$( (${CXX:-c++} -dumpfullversion 2>/dev/null || ${CXX:-c++} -dumpversion 2>/dev/null || echo none) | head -n1)"
+SCRIPT_HASH="$(sha256sum "$0" | cut -c1-8)"
+KEY="horovod-${HOROVOD_VERSION}_${TF_DIST}-${TF_VERSION}_${PY_TAG}_${ARCH}_${CONTROLLERS}_cxx-${CXX_VERSION}_build-${SCRIPT_HASH}"
 WHEEL_DIR="$CACHE/$KEY"
 
 installed_ok() {  # right version installed, and its TF op library exists (no TF import needed)

@@ -53,9 +53,15 @@ def _train_small(distribute, epochs=3):
 
 @pytest.mark.slow
 def test_qat_on_digits_stays_within_half_a_point_of_float_in_the_litert_file(tmp_path):
-    result = qat_digits.run("per_channel", folder=str(tmp_path))
+    result = qat_digits.run("per_channel", folder=str(tmp_path), seed=3)
     print(result)
-    assert result["float"] >= 0.97
+    # The float bar only says the float model learned (else "QAT within half a point of float" proves
+    # nothing); float kernels differ between CPUs and 20 epochs amplify it. Measured float accuracies
+    # (python tests/workers/qat_digits.py --seed N): seeds 1-8 on AVX-512/VNNI 0.982-0.995 (seed 3: 0.992),
+    # the same with ONEDNN_MAX_CPU_ISA=AVX2 0.982-0.990, on an AVX2-only EPYC seed 1 0.965, seeds 2-6
+    # 0.985-0.992. 0.95 sits 1.5 points under the lowest. The claim itself holds on every seed measured:
+    # QAT int8 minus float from -0.25 to +0.75 points (bound -0.5).
+    assert result["float"] >= 0.95
     assert result["qat_int8"] >= result["float"] - 0.005
     assert result["qat_agreement"] >= 0.99
     assert result["sizes"]["qat_int8"] < result["sizes"]["float"] / 1.8

@@ -79,7 +79,7 @@ def accuracy(predictions, labels):
 
 
 def run(weights="per_channel", distribute=None, float_epochs=20, qat_epochs=4, folder=None, ptq_per_channel=None,
-        imbalanced=False, qat_learning_rate=0.01):
+        imbalanced=False, qat_learning_rate=0.01, seed=1):
     """The accuracy table of one configuration (a dict)."""
     import keras
 
@@ -88,12 +88,12 @@ def run(weights="per_channel", distribute=None, float_epochs=20, qat_epochs=4, f
 
     folder = folder or tempfile.mkdtemp()
     x, y, x_test, y_test = digits()
-    model = conv_net(imbalanced=imbalanced)
+    model = conv_net(seed=seed, imbalanced=imbalanced)
     compile_model(model, 0.05, distribute)
     model.fit(x, y, batch_size=32, epochs=float_epochs, verbose=0)
     if imbalanced:
         imbalance(model)
-    result = {"weights": weights, "distribute": distribute, "imbalanced": imbalanced, "float": accuracy(model.predict(x_test, verbose=0), y_test)}
+    result = {"weights": weights, "distribute": distribute, "imbalanced": imbalanced, "seed": seed, "float": accuracy(model.predict(x_test, verbose=0), y_test)}
 
     ptq = kerasdist.export(model, os.path.join(folder, "ptq.tflite"), format="litert-int8", representative_data=x[:200],
                            per_channel=weights == "per_channel" if ptq_per_channel is None else ptq_per_channel)
@@ -121,10 +121,11 @@ def main():
     parser.add_argument("--imbalanced", action="store_true")
     parser.add_argument("--qat-epochs", type=int, default=4)
     parser.add_argument("--qat-learning-rate", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     report(run(args.weights, args.distribute, imbalanced=args.imbalanced, qat_epochs=args.qat_epochs,
-               qat_learning_rate=args.qat_learning_rate), args.json)
+               qat_learning_rate=args.qat_learning_rate, seed=args.seed), args.json)
 
 
 def report(result, path=None):
