@@ -1,0 +1,125 @@
+"""Runs a guide as its user would, and records what its ``fit`` calls did.
+
+The guide's text is not touched: ``keras.datasets.mnist.load_data`` (also reached as
+``tf.keras.datasets.mnist.load_data``) returns tests/guides/_data.py's arrays, and every
+``keras.Model.fit`` is observed (its History and how the model was distributed). In a test process
+both are installed on the Keras already imported (``observe``); in a child process
+(``python tests/guides/_harness.py OUTDIR GUIDE [ARGS]``) they are installed when the guide itself
+imports Keras (an import hook), so the guide's import order (``import kerasdist`` first, ``KERAS_BACKEND``) is kept.
+"""
+
+import builtins
+import contextlib
+import functools
+import json
+import os
+import runpy
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _data  # noqa: E402
+
+
+def _floats(history):
+    return {k: [float(v) for v in values] for k, values in history.items()}
+
+
+def describe(model):
+    """How ``model`` is distributed: TensorFlow strategy and replicas, or JAX devices and layouts."""
+    import keras
+
+    info = {"backend": keras.backend.backend()}
+    if info["backend"] == "tensorflow":
+        strategy = model.distribute_strategy
+        info.update(strategy=type(strategy).__name__, replicas=int(strategy.num_replicas_in_sync))
+    elif info["backend"] == "jax":
+        shardings = {v.path: v.value.sharding for v in model.weights}
+        info["devices"] = max(len(s.device_set) for s in shardings.values())
+        info["specs"] = {path: str(getattr(s, "spec", None)) for path, s in shardings.items()}
+        distribution = keras.distribution.distribution()
+        info["distribution"] = type(distribution).__name__ if distribution else None
+    return info
+
+
+def _recording_fit(fit, records):
+    @functools.wraps(fit)  # kerasdist binds fit's arguments by its signature
+    def recorded_fit(self, *args, **kwargs):
+        history = fit(self, *args, **kwargs)
+        records.append({"history": _floats(history.history), "epochs": list(history.epoch), **describe(self)})
+        return history
+
+    recorded_fit.kerasdist_guides_original = fit
+    return recorded_fit
+
+
+@contextlib.contextmanager
+def observe(records):
+    """In this process: generated MNIST and recorded fits until the block ends."""
+    import keras
+
+    saved = keras.datasets.mnist.load_data, keras.Model.__dict__.get("fit")
+    keras.datasets.mnist.load_data = _data.load_data
+    keras.Model.fit = _recording_fit(keras.Model.fit, records)
+    try:
+        yield records
+    finally:
+        keras.datasets.mnist.load_data = saved[0]
+        if saved[1] is None:
+            del keras.Model.fit
+        else:
+            keras.Model.fit = saved[1]
+
+
+def _patch_keras_once_imported(patch):
+    """Call ``patch(keras)`` as soon as an import leaves Keras importable enough (its Model and its
+    MNIST loader exist), whoever imports it: the guide, kerasdist or TensorFlow's ``tf.keras``."""
+    real_import = builtins.__import__
+
+    def watching_import(*args, **kwargs):
+        module = real_import(*args, **kwargs)
+        keras = sys.modules.get("keras")
+        mnist = sys.modules.get("keras.datasets.mnist")
+        if builtins.__import__ is watching_import and hasattr(keras, "Model") and hasattr(mnist, "load_data"):
+            builtins.__import__ = real_import
+            patch(keras)
+        return module
+
+    builtins.__import__ = watching_import
+
+
+def run_guide(outdir, guide, args):
+    """Run ``guide`` as ``__main__`` and write this process's fits to OUTDIR/fits-<pid>.json."""
+    records = []
+
+    def patch(keras):
+        keras.Model.fit = _recording_fit(keras.Model.fit, records)
+        sys.modules["keras.datasets.mnist"].load_data = _data.load_data
+
+    _patch_keras_once_imported(patch)
+    sys.argv = [guide, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(guide))
+    status = 0
+    try:
+        runpy.run_path(guide, run_name="__main__")
+    except SystemExit as exit:  # noqa: A001
+        status = exit.code or 0
+    finally:
+        rank = {k: os.environ[k] for k in ("TF_CONFIG", "HOROVOD_RANK", "HOROVOD_SIZE") if k in os.environ}
+        with open(os.path.join(outdir, f"fits-{os.getpid()}.json"), "w") as f:
+            json.dump({"fits": records, "env": rank}, f)
+    return status
+
+
+def read_fits(outdir):
+    """Every process's record, in no particular order."""
+    results = []
+    for name in sorted(os.listdir(outdir)):
+        if name.startswith("fits-") and name.endswith(".json"):
+            with open(os.path.join(outdir, name)) as f:
+                results.append(json.load(f))
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(run_guide(sys.argv[1], sys.argv[2], sys.argv[3:]))
