@@ -126,8 +126,11 @@ def single_array(value, what):
     return np.asarray(keras.ops.convert_to_numpy(flat[0]))
 
 
-def compare_outputs(model, inputs, run_exported, path, format):
-    """Run the Keras model and the exported file on ``inputs``; an :class:`ExportResult`."""
+def compare_outputs(model, inputs, run_exported, path, format, tolerance=None, fix=""):
+    """Run the Keras model and the exported file on ``inputs``; an :class:`ExportResult`.
+
+    With ``tolerance``, a max |diff| above ``tolerance * max|y|`` (y: the Keras output) removes the
+    file and raises KerasdistError naming the figures, the bound and ``fix``."""
     import numpy as np
 
     x = single_array(inputs, f"export(format={format!r}, verify_with=...)")
@@ -136,8 +139,18 @@ def compare_outputs(model, inputs, run_exported, path, format):
     agreement = None
     if expected.ndim >= 2 and expected.shape[-1] > 1:
         agreement = float(np.mean(np.argmax(expected, -1) == np.argmax(got, -1)))
-    return ExportResult(path, format, os.path.getsize(path), float(np.max(np.abs(expected - got))),
-                        agreement, len(x))
+    result = ExportResult(path, format, os.path.getsize(path), float(np.max(np.abs(expected - got))),
+                          agreement, len(x))
+    scale = float(np.max(np.abs(expected)))
+    if tolerance is not None and not result.max_abs_diff <= tolerance * scale:  # NaN fails too
+        os.remove(path)
+        argmax = "" if agreement is None else f", argmax agreement {agreement:.3f}"
+        raise kerasdist.KerasdistError(
+            f"export(format={format!r}, verify_with=...): the written file is far from the Keras model on "
+            f"{len(x)} examples: max |diff| {result.max_abs_diff:.3g}{argmax}; the bound is {tolerance * scale:.3g} "
+            f"(verify_tolerance={tolerance} x the output's max |y| {scale:.3g}). The file {path} was removed. "
+            f"{fix}".rstrip())
+    return result
 
 
 def calibration_batches(representative_data, steps):

@@ -1,7 +1,11 @@
 """ONNX exports run in onnxruntime; TensorRT up to the GPU boundary (a fake tensorrt module at the
 builder), and a real engine build on an NVIDIA GPU (skipped here)."""
 
+import json
 import os
+import platform
+import shutil
+import subprocess
 import sys
 import types
 
@@ -13,7 +17,13 @@ import pytest
 import kerasdist
 import kerasdist.registry
 from kerasdist_plugins import tensorrt as trt_plugin
+from helpers import ROOT
 from runif import run_if
+
+QEMU = shutil.which("qemu-x86_64")
+AVX2_CPU = "Haswell"  # QEMU's model of an AVX2 + FMA CPU without AVX-512 or VNNI (QEMU >= 7.2 emulates AVX2)
+HASWELL_FLAGS = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}  # /proc/cpuinfo flags of such a CPU
+RUN_ONNX = os.path.join(ROOT, "tests", "workers", "onnxruntime_run.py")
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +58,127 @@ def test_onnx_int8_is_qdq_and_runs_in_onnxruntime(model, data, tmp_path):
     ops = {node.op_type for node in onnx.load(result.path).graph.node}
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops
     assert result.max_abs_diff < 0.1 * reference and result.argmax_agreement >= 0.9
+
+
+def _need_qemu():
+    """Skip (on a non-x86 host, or locally without qemu) or fail (without qemu where CI is set)."""
+    if platform.machine() != "x86_64":
+        pytest.skip(f"the AVX2 path is emulated on x86_64 hosts only (this is {platform.machine()})")
+    if QEMU is None:
+        reason = "qemu-x86_64 is not installed: apt-get install -y qemu-user (Debian/Ubuntu)"
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)  # CI must run the AVX2 path
+
+
+def _zero_point_types(path):
+    """The element types of the activations' and weights' zero points (biases are int32)."""
+    return {i.data_type for i in onnx.load(path).graph.initializer
+            if i.name.endswith("zero_point") and i.data_type != onnx.TensorProto.INT32}
+
+
+def run_on_avx2_cpu(path, x, tmp_path):
+    """Outputs of the ONNX file from onnxruntime on an emulated AVX2 CPU without AVX-512/VNNI."""
+    np.save(tmp_path / "x.npy", x)
+    proc = subprocess.run([QEMU, "-cpu", AVX2_CPU, sys.executable, RUN_ONNX, os.fspath(path),
+                           os.fspath(tmp_path / "x.npy"), os.fspath(tmp_path / "y.npy")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    features = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert features["AVX2"] and features["FMA3"] and not features["AVX512F"], features  # the emulated CPU
+    return np.load(tmp_path / "y.npy")
+
+
+def test_onnx_int8_auto_is_right_on_an_avx2_cpu_without_vnni(model, data, tmp_path, monkeypatch):
+    """'auto' on an AVX2 CPU writes u8u8, exact in onnxruntime's AVX2 kernels; s8s8 saturates there."""
+    _need_qemu()
+    x, expected = data[64:], model(data[64:]).numpy()
+    reference = np.max(np.abs(expected))
+    monkeypatch.setattr(trt_plugin.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(trt_plugin, "cpu_flags", lambda: HASWELL_FLAGS)
+    auto = kerasdist.export(model, tmp_path / "auto.onnx", format="onnx-int8", representative_data=data[:64])
+    assert _zero_point_types(auto.path) == {onnx.TensorProto.UINT8}
+    emulated, native = run_on_avx2_cpu(auto.path, x, tmp_path), trt_plugin.run_onnxruntime(auto.path, x)
+    diff, argmax = np.max(np.abs(emulated - expected)), np.mean(emulated.argmax(-1) == expected.argmax(-1))
+    print(f"\nAVX2 u8u8: max|delta| {diff:.3g} (max|y| {reference:.3g}), argmax {argmax:.3f}")
+    assert np.max(np.abs(emulated - native)) < 1e-5 * reference  # the AVX2 kernels compute what the native ones do
+    assert diff < 0.1 * reference and argmax >= 0.95
+
+    s8s8 = kerasdist.export(model, tmp_path / "s8s8.onnx", format="onnx-int8", representative_data=data[:64],
+                            int8_scheme="s8s8")
+    saturated = np.max(np.abs(run_on_avx2_cpu(s8s8.path, x, tmp_path) - expected))
+    print(f"AVX2 s8s8: max|delta| {saturated:.3g}")
+    assert saturated > 0.1 * reference, "onnxruntime's AVX2 U8S8 kernels no longer saturate: revisit auto_int8_scheme"
+
+
+@pytest.mark.parametrize("machine, flags, scheme", [
+    ("x86_64", HASWELL_FLAGS, "u8u8"),
+    ("x86_64", HASWELL_FLAGS | {"avx512f", "avx512bw"}, "u8u8"),  # Skylake-SP: AVX-512 without VNNI
+    ("x86_64", HASWELL_FLAGS | {"avx512f", "avx512_vnni"}, "s8s8"),
+    ("AMD64", HASWELL_FLAGS | {"avx_vnni"}, "s8s8"),
+    ("aarch64", set(), "s8s8"),
+])
+def test_auto_int8_scheme_reads_the_cpu_flags(machine, flags, scheme):
+    assert trt_plugin.auto_int8_scheme(machine, flags)[0] == scheme
+
+
+def test_cpu_flags_from_cpuinfo(tmp_path, monkeypatch):
+    (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert trt_plugin.cpu_flags(str(tmp_path / "cpuinfo")) == {"fpu", "avx2", "fma"}
+    assert trt_plugin.cpu_flags(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(trt_plugin, "cpu_flags", lambda: None)
+    assert trt_plugin.auto_int8_scheme("x86_64")[0] == "u8u8"  # unknown x86: the scheme exact on all of them
+
+
+def _scale_up_the_dense_weights(real_quantize_qdq):
+    """quantize_qdq, then the Dense layer's weight scale x4 in the written file: a file far off."""
+    from onnx import numpy_helper
+
+    def quantize_qdq(float_path, int8_path, *args, **kwargs):
+        real_quantize_qdq(float_path, int8_path, *args, **kwargs)
+        model = onnx.load(int8_path)
+        matmul = next(n for n in model.graph.node if n.op_type == "MatMul")
+        weights = next(n for n in model.graph.node if n.output[0] == matmul.input[1])
+        scale = next(i for i in model.graph.initializer if i.name == weights.input[1])
+        scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 4, scale.name))
+        onnx.save(model, int8_path)
+        return int8_path
+
+    return quantize_qdq
+
+
+def test_onnx_int8_far_off_is_an_error_not_a_result(model, data, tmp_path, monkeypatch):
+    monkeypatch.setattr(trt_plugin, "quantize_qdq", _scale_up_the_dense_weights(trt_plugin.quantize_qdq))
+    with pytest.raises(kerasdist.KerasdistError, match=(
+            r"far from the Keras model on 64 examples: max \|diff\| [0-9.]+, argmax agreement [0-9.]+; the bound is "
+            r"[0-9.]+ \(verify_tolerance=0.1 x the output's max \|y\| 1.53\)\. The file .*q.onnx was removed\. "
+            r"It was quantized with int8_scheme '(s8s8|u8u8)' .*Fixes: .*verify_tolerance=")):
+        kerasdist.export(model, tmp_path / "q.onnx", format="onnx-int8", representative_data=data[:64],
+                         verify_with=data[64:])
+    assert not (tmp_path / "q.onnx").exists()
+    loose = kerasdist.export(model, tmp_path / "q.onnx", format="onnx-int8", representative_data=data[:64],
+                             verify_with=data[64:], verify_tolerance=10)
+    assert loose.max_abs_diff > 0.1 * np.max(np.abs(model(data[64:]).numpy()))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"int8_scheme": "int4"}, r"int8_scheme='int4' is not valid; choose one of 'auto', 's8s8', 'u8u8', 's8s8-7bit'"),
+    ({"verify_tolerance": 0}, r"verify_tolerance=0 is not valid; give a number > 0"),
+    ({"verify_tolerance": "1%"}, r"verify_tolerance='1%' is not valid"),
+])
+def test_onnx_int8_bad_options_fail_early(model, data, tmp_path, options, message):
+    with pytest.raises(kerasdist.KerasdistError, match=message):
+        kerasdist.export(model, tmp_path / "q.onnx", format="onnx-int8", representative_data=data[:8], **options)
+    assert not (tmp_path / "q.onnx").exists()
+
+
+@pytest.mark.parametrize("scheme", ["s8s8", "u8u8", "s8s8-7bit"])
+def test_each_int8_scheme_is_close_to_keras_here(model, data, tmp_path, scheme):
+    """Each scheme is right on this CPU; "s8s8" is the one with signed int8 zero points TensorRT reads."""
+    if scheme == "s8s8" and trt_plugin.auto_int8_scheme()[0] != "s8s8":
+        pytest.skip("s8s8 saturates in onnxruntime on this x86 CPU without VNNI (the AVX2 test covers it)")
+    result = kerasdist.export(model, tmp_path / "q.onnx", format="onnx-int8", representative_data=data[:64],
+                              verify_with=data[64:], int8_scheme=scheme)
+    print(f"\n{scheme}: max|delta| {result.max_abs_diff:.3g}, argmax {result.argmax_agreement}")
+    assert _zero_point_types(result.path) == {onnx.TensorProto.UINT8 if scheme == "u8u8" else onnx.TensorProto.INT8}
 
 
 def test_missing_converter_dependency_is_one_clear_error(model, tmp_path, monkeypatch):
