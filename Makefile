@@ -22,7 +22,8 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test bench bench-horovod venv lock check-lock test-latest test-keras-nightly clean
 
-$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) .ci/build_horovod.sh .ci/check_lock.py
+$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
+	bash .ci/system_packages.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) .ci/check_lock.py --platform-only $(LOCK_PYTHON)
 	$(PIP) install --require-hashes --no-deps -r $(LOCK)
