@@ -2,7 +2,7 @@
 
 The guide's text is not touched: ``keras.datasets.mnist.load_data`` (also reached as
 ``tf.keras.datasets.mnist.load_data``) returns tests/guides/_data.py's arrays, and every
-``keras.Model.fit`` is observed (its History and how the model was distributed). In a test process
+``fit`` is observed (its History, at the end of training, and how the model was distributed). In a test process
 both are installed on the Keras already imported (``observe``); in a child process
 (``python tests/guides/_harness.py OUTDIR GUIDE [ARGS]``) they are installed when the guide itself
 imports Keras (an import hook), so the guide's import order (``import kerasdist`` first, ``KERAS_BACKEND``) is kept.
@@ -10,7 +10,6 @@ imports Keras (an import hook), so the guide's import order (``import kerasdist`
 
 import builtins
 import contextlib
-import functools
 import json
 import os
 import runpy
@@ -32,7 +31,8 @@ def describe(model):
     info = {"backend": keras.backend.backend()}
     if info["backend"] == "tensorflow":
         strategy = model.distribute_strategy
-        info.update(strategy=type(strategy).__name__, replicas=int(strategy.num_replicas_in_sync))
+        info.update(strategy=type(strategy).__name__, replicas=int(strategy.num_replicas_in_sync),
+                    variable_devices=sorted({str(getattr(v.value, "device", "")) for v in model.weights}))
     elif info["backend"] == "jax":
         shardings = {v.path: v.value.sharding for v in model.weights}
         info["devices"] = max(len(s.device_set) for s in shardings.values())
@@ -42,15 +42,15 @@ def describe(model):
     return info
 
 
-def _recording_fit(fit, records):
-    @functools.wraps(fit)  # kerasdist binds fit's arguments by its signature
-    def recorded_fit(self, *args, **kwargs):
-        history = fit(self, *args, **kwargs)
-        records.append({"history": _floats(history.history), "epochs": list(history.epoch), **describe(self)})
-        return history
+def _record_history(history_class, records):
+    """Make every ``History`` (each ``fit`` has one, also kerasdist's own ps loop) record itself at the
+    end of training; returns a function that undoes it."""
 
-    recorded_fit.kerasdist_guides_original = fit
-    return recorded_fit
+    def on_train_end(self, logs=None):
+        records.append({"history": _floats(self.history), "epochs": list(self.epoch), **describe(self.model)})
+
+    history_class.on_train_end = on_train_end
+    return lambda: delattr(history_class, "on_train_end")
 
 
 @contextlib.contextmanager
@@ -58,29 +58,26 @@ def observe(records):
     """In this process: generated MNIST and recorded fits until the block ends."""
     import keras
 
-    saved = keras.datasets.mnist.load_data, keras.Model.__dict__.get("fit")
+    saved = keras.datasets.mnist.load_data
     keras.datasets.mnist.load_data = _data.load_data
-    keras.Model.fit = _recording_fit(keras.Model.fit, records)
+    undo = _record_history(keras.callbacks.History, records)
     try:
         yield records
     finally:
-        keras.datasets.mnist.load_data = saved[0]
-        if saved[1] is None:
-            del keras.Model.fit
-        else:
-            keras.Model.fit = saved[1]
+        keras.datasets.mnist.load_data = saved
+        undo()
 
 
 def _patch_keras_once_imported(patch):
-    """Call ``patch(keras)`` as soon as an import leaves Keras importable enough (its Model and its
-    MNIST loader exist), whoever imports it: the guide, kerasdist or TensorFlow's ``tf.keras``."""
+    """Call ``patch(keras)`` as soon as an import leaves Keras usable enough (its History callback and
+    its MNIST loader exist), whoever imports it: the guide, kerasdist or TensorFlow's ``tf.keras``."""
     real_import = builtins.__import__
 
     def watching_import(*args, **kwargs):
         module = real_import(*args, **kwargs)
         keras = sys.modules.get("keras")
         mnist = sys.modules.get("keras.datasets.mnist")
-        if builtins.__import__ is watching_import and hasattr(keras, "Model") and hasattr(mnist, "load_data"):
+        if builtins.__import__ is watching_import and hasattr(getattr(keras, "callbacks", None), "History") and hasattr(mnist, "load_data"):
             builtins.__import__ = real_import
             patch(keras)
         return module
@@ -93,7 +90,7 @@ def run_guide(outdir, guide, args):
     records = []
 
     def patch(keras):
-        keras.Model.fit = _recording_fit(keras.Model.fit, records)
+        _record_history(keras.callbacks.History, records)
         sys.modules["keras.datasets.mnist"].load_data = _data.load_data
 
     _patch_keras_once_imported(patch)
