@@ -20,7 +20,7 @@ __all__ = [
     "LaunchWorker", "OptimizationSpec", "Plan", "PluginSpec", "PluginUnavailableError", "PluginValidationError",
     "PluginWarning", "cluster_hint_variables",
     "StrategyConflictError", "StrategySpec", "UnknownPluginError", "detect_cluster", "export",
-    "hookimpl", "is_chief", "list_plugins", "register_plugin", "spec", "split_cpu", "strategy_of",
+    "hookimpl", "is_chief", "list_plugins", "load_plain", "register_plugin", "spec", "split_cpu", "strategy_of",
     "unregister_plugin",
 ]
 
@@ -74,6 +74,14 @@ def strategy_of(model):
 
     session = session_of(model)
     return session.strategy if session else None
+
+
+def load_plain(filepath, **kwargs):
+    """``keras.models.load_model(filepath, **kwargs)`` without the ``distribute=`` the model was saved with
+    (``keras.models.load_model`` compiles a model saved after ``compile(distribute=...)`` with it again)."""
+    from .saving import load_plain
+
+    return load_plain(filepath, **kwargs)
 
 
 def __getattr__(name):

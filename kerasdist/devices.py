@@ -73,9 +73,38 @@ def canonical_devices(devices):
     return tuple(sorted({"/device:%s:%d" % _device_key(d) for d in devices}))
 
 
-def _device_key(device):
+DEVICE_NAME_FORMS = "'/gpu:0', '/cpu:1', '/device:GPU:0' or '/job:worker/task:0/device:GPU:0'"
+
+
+def check_device_names(devices, where):
+    """Refuse an empty device list (None is the one that means the default devices) and a name TensorFlow
+    cannot read, naming it; ``where`` is e.g. "mirrored: devices". Lists of strings only: other values
+    are the option annotations' to refuse."""
+    if not isinstance(devices, (list, tuple)) or not all(isinstance(d, str) for d in devices):
+        return
+    if not devices:
+        raise KerasdistError(f"{where}=[] names no device; list at least one (such as {DEVICE_NAME_FORMS}), or "
+                             "give None for the default devices (all GPUs, else all logical CPUs).")
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:
+        return  # the strategy's backend check names what is missing
+    for device in devices:
+        _device_key(device, f"{where}={list(devices)!r}")
+
+
+def _device_key(device, where="devices"):
     """'/cpu:1', '/device:CPU:1' and '/job:localhost/device:CPU:1' all name ('CPU', 1)."""
     import tensorflow as tf
 
-    spec = tf.DeviceSpec.from_string(device)
-    return ((spec.device_type or "").upper(), spec.device_index or 0)
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except ValueError as exc:
+        spec, reason = None, str(exc)
+    else:
+        reason = None if spec.device_type else "it names no device type"
+    if reason is not None:
+        available = [d.name for d in tf.config.list_logical_devices()]
+        raise KerasdistError(f"{where}: {device!r} is not a device name ({reason}); give names such as "
+                             f"{DEVICE_NAME_FORMS} (this process has {available}).")
+    return (spec.device_type.upper(), spec.device_index or 0)

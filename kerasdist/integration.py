@@ -1,4 +1,5 @@
-"""Adds ``distribute=`` to ``keras.Model.compile`` and routes fit/evaluate/predict.
+"""Adds ``distribute=`` to ``keras.Model.compile``, routes fit/evaluate/predict, and keeps ``distribute=``
+in the compile config Keras saves and loads (``get_compile_config`` / ``compile_from_config``, see saving.py).
 
 A model compiled without ``distribute=`` takes Keras's own code path; the only
 extra work is one attribute lookup per call.
@@ -7,6 +8,7 @@ extra work is one attribute lookup per call.
 import functools
 import inspect
 
+from . import saving as _saving
 from . import session as _session
 
 METHODS = ("fit", "evaluate", "predict")
@@ -22,10 +24,11 @@ def install():
     """
     if _originals:
         return
-    for name in ("compile",) + METHODS:
+    wrappers = {"compile": _make_compile, "get_compile_config": _make_get_compile_config,
+                "compile_from_config": _make_compile_from_config, **{name: _make_call(name) for name in METHODS}}
+    for name, wrap in wrappers.items():
         owner = _defining_class(name)
         _originals[name] = (owner, owner.__dict__[name])
-        wrap = _make_compile if name == "compile" else _make_call(name)
         setattr(owner, name, wrap(owner.__dict__[name]))
 
 
@@ -50,6 +53,8 @@ def _make_compile(original_compile):
     @functools.wraps(original_compile)
     def compile(self, *args, distribute=None, **kwargs):
         if distribute is None:
+            distribute = _saving.pending_plan(self)  # compile_from_config restoring a saved distribute=
+        if distribute is None:
             self.__dict__.pop("_kerasdist_session", None)  # a plain re-compile is plain Keras again
             return original_compile(self, *args, **kwargs)
         return _session.distributed_compile(self, original_compile, args, kwargs, distribute)
@@ -61,6 +66,26 @@ def _make_compile(original_compile):
         "\n\n        distribute (kerasdist): a plugin name ('mirrored', 'multiworker', 'auto', ...),"
         "\n            a tf.distribute.Strategy, a kerasdist spec, a list of these, or None.\n")
     return compile
+
+
+def _make_get_compile_config(original_method):
+    @functools.wraps(original_method)
+    def get_compile_config(self):
+        return _saving.add_plan(self, original_method(self))
+
+    return get_compile_config
+
+
+def _make_compile_from_config(original_method):
+    @functools.wraps(original_method)
+    def compile_from_config(self, config):
+        config, plan = _saving.take_plan(self, config)
+        if plan is None:
+            return original_method(self, config)
+        with _saving.restoring(self, plan):
+            return original_method(self, config)
+
+    return compile_from_config
 
 
 def _make_call(name):

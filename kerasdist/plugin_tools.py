@@ -25,14 +25,14 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replica
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
                                variable_layout, weight_replicas_by_batch_share)
 from .backend import keras_backend
-from .devices import canonical_devices, check_devices_exist, local_replica_devices
+from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
 
 __all__ = [
     # values and the environment
     "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
     "is_dataset", "arrays_as_dataset", "split_batches", "unique_variables", "local_replica_devices",
-    "check_devices_exist", "canonical_devices", "keras_backend",
+    "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # Keras / TensorFlow adapters
     "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
     "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",

@@ -33,7 +33,7 @@ class StrategySpec(PluginSpec):
 
 
 class OptimizationSpec(PluginSpec):
-    """Base class of optimization plugin specs (any number per plan)."""
+    """Base class of optimization plugin specs (any number per plan, each plugin at most once)."""
 
     kind = "optimization"
 
@@ -51,7 +51,7 @@ class StrategyInstance(StrategySpec):
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """At most one strategy spec plus optimization specs, in order."""
+    """At most one strategy spec plus optimization specs (each plugin once), in order."""
 
     strategy: StrategySpec = None
     optimizations: tuple = ()
@@ -75,6 +75,11 @@ class Plan:
                             "give at most one strategy plus any number of optimizations.")
                     strategy = part
                 elif isinstance(part, OptimizationSpec):
+                    twice = next((o for o in optimizations if o.name == part.name), None)
+                    if twice is not None:
+                        raise KerasdistError(
+                            f"distribute= names the optimization {part.name!r} twice, {twice!r} and {part!r}; "
+                            f"give it once, with all its options in one spec (kerasdist.{part.name}(...)).")
                     optimizations.append(part)
                 else:
                     raise KerasdistError(f"Cannot combine {part!r} into a distribute= plan: "

@@ -21,6 +21,11 @@ class Mirrored(kerasdist.StrategySpec):
     cross_device_ops: str = "auto"
     sync_batch_norm: bool = False
 
+    def __post_init__(self):
+        from kerasdist.plugin_tools import check_device_names
+
+        check_device_names(self.devices, "mirrored: devices")
+
     def identity(self):
         """Equal when the devices are: ``"mirrored"`` and ``mirrored(devices=[every local device])``
         share one strategy."""

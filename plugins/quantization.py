@@ -54,6 +54,9 @@ def require(module, extra, purpose):
 def check_exportable(model, format, filepath=None, verify_with=None, representative_data=None):
     """Errors that would otherwise surface deep inside a converter, or after the file was written."""
     if filepath is not None:
+        if os.path.isdir(filepath):
+            raise kerasdist.KerasdistError(f"export(format={format!r}): {os.fspath(filepath)} is a folder; give "
+                                           "the path of the file to write, e.g. os.path.join(folder, 'model.bin').")
         folder = os.path.dirname(os.path.abspath(os.fspath(filepath)))
         if not os.path.isdir(folder):
             raise kerasdist.KerasdistError(f"export(format={format!r}): the folder {folder} does not exist; "

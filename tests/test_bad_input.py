@@ -118,3 +118,33 @@ def test_a_missing_or_read_only_folder_is_named_before_converting(tmp_path, read
             [f"the folder {missing} does not exist"])
     _raises(lambda: kerasdist.export(_model(), os.path.join(read_only_folder, "m.onnx"), format="onnx"),
             [f"cannot write to {read_only_folder}"])
+
+
+def test_mirrored_devices_that_name_no_device_are_refused_when_the_spec_is_made():
+    _raises(lambda: kerasdist.mirrored(devices=["bogus"]),
+            ["devices=['bogus']", "'bogus' is not a device name", "'/gpu:0'", "'/device:CPU:1'"])
+    _raises(lambda: kerasdist.spec("mirrored", devices=["/cpu:0", "/gpu:x"]), ["'/gpu:x' is not a device name"])
+    _raises(lambda: kerasdist.mirrored(devices=[]), ["devices=[] names no device", "None for the default devices"])
+
+
+def test_an_optimization_named_twice_is_refused_before_the_model_is_touched():
+    model = _model()
+    _raises(lambda: model.compile(loss="mse", distribute=["mirrored", kerasdist.prune(),
+                                                          kerasdist.prune(target_sparsity=0.9)]),
+            ["the optimization 'prune' twice", "target_sparsity=0.5", "target_sparsity=0.9", "kerasdist.prune(...)"])
+    assert not model.compiled and kerasdist.strategy_of(model) is None
+    _raises(lambda: kerasdist.prune() + kerasdist.prune(frequency=5), ["'prune' twice", "frequency=5"])
+
+
+def test_an_export_path_that_is_a_folder_is_named_before_converting(tmp_path, monkeypatch):
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the converter ran")
+
+    monkeypatch.setattr(tf.lite.TFLiteConverter, "from_keras_model", no_conversion)
+    monkeypatch.setattr(keras.Model, "export", no_conversion)
+    for format in ("litert", "litert-int8", "onnx"):
+        _raises(lambda: kerasdist.export(_model(), str(tmp_path), format=format,
+                                         **({"representative_data": np.zeros((4, 4), "float32")}
+                                            if format == "litert-int8" else {})),
+                [f"export(format={format!r}): {tmp_path} is a folder", "os.path.join(folder, 'model.bin')"])
+    assert not os.listdir(tmp_path)
