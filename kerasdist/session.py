@@ -6,6 +6,7 @@ import sys
 import threading
 
 from . import _keras_internals as internals
+from ._keras_internals.collectives import keep_collectives_apart
 from .errors import KerasdistError, PluginValidationError, StrategyConflictError
 from .manager import get_system
 from .resolve import is_tf_strategy, resolve_plan
@@ -22,6 +23,7 @@ def strategy_for(spec, cluster, system):
         return current_strategy()
     if isinstance(spec, StrategyInstance):
         check_local_devices(spec.strategy)
+        keep_collectives_apart(spec.strategy)
         return spec.strategy
     key = spec_key(spec)
     with _strategies_lock:
@@ -32,6 +34,7 @@ def strategy_for(spec, cluster, system):
                     f"Strategy {spec.name!r} is registered but no plugin's kerasdist_create_strategy "
                     f"returned a strategy for {spec!r}.")
             _check_no_collective_overlap(spec, strategy)
+            keep_collectives_apart(strategy)
             _strategies[key] = strategy
         return _strategies[key]
 
@@ -199,6 +202,7 @@ def distributed_compile(model, original_compile, args, kwargs, distribute):
     tf_strategy = is_tf_strategy(strategy)
     if tf_strategy:
         _check_not_bound_elsewhere(model, strategy, plan)
+        _check_not_inside_another_scope(strategy, plan)
 
     compile_kwargs = _bind(original_compile, model, args, kwargs)
     if tf_strategy:
@@ -244,6 +248,29 @@ def _check_not_bound_elsewhere(model, strategy, plan):
         f"so it cannot be compiled with distribute={plan.describe()!r}. Pass that strategy object as "
         "distribute=, or build the model outside any strategy scope (or clone it with "
         "keras.models.clone_model outside the scope) and compile again.")
+
+
+def _check_not_inside_another_scope(strategy, plan):
+    """compile(distribute=...) inside ``with other.scope()``: TensorFlow refuses to mix two strategies
+    (a raw "Mixing different tf.distribute.Strategy objects"); name both and the fix instead."""
+    import tensorflow as tf
+
+    current = tf.distribute.get_strategy()
+    if not tf.distribute.has_strategy() or current is strategy:
+        return
+    raise StrategyConflictError(
+        f"compile(distribute={plan.describe()!r}) was called inside `with strategy.scope()` of "
+        f"{_describe(current)}, but distribute= gives another strategy object, {_describe(strategy)}; TensorFlow "
+        "cannot mix two strategies. Call compile outside the scope (kerasdist enters its strategy's scope "
+        "itself), or pass the scope's strategy object: distribute=strategy.")
+
+
+def _describe(strategy):
+    """E.g. "MirroredStrategy(['/device:CPU:0', '/device:CPU:1'])"."""
+    from .devices import canonical_devices
+
+    devices = getattr(strategy.extended, "worker_devices", None)
+    return f"{type(strategy).__name__}({list(canonical_devices(devices))})" if devices else type(strategy).__name__
 
 
 def session_of(model):

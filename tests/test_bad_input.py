@@ -120,6 +120,22 @@ def test_a_missing_or_read_only_folder_is_named_before_converting(tmp_path, read
             [f"cannot write to {read_only_folder}"])
 
 
+def test_compile_inside_another_strategys_scope_names_both_strategies():
+    """Keras users write compile inside ``with strategy.scope()``: the same strategy is fine; another one
+    is one KerasdistError naming both and the fix (TensorFlow's own error was a raw RuntimeError)."""
+    theirs = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    same, other, another = _model(), _model(), _model()  # built outside any scope
+    with theirs.scope():
+        same.compile(loss="mse", optimizer="sgd", distribute=theirs)
+        assert same.distribute_strategy is theirs
+        _raises(lambda: other.compile(loss="mse", distribute="mirrored"),
+                ["distribute='mirrored'", "inside `with strategy.scope()` of MirroredStrategy",
+                 "another strategy object, MirroredStrategy", "Call compile outside the scope", "distribute=strategy"])
+    with tf.distribute.OneDeviceStrategy("/cpu:0").scope():
+        _raises(lambda: another.compile(loss="mse", distribute=theirs),
+                ["of OneDeviceStrategy(['/device:CPU:0'])", "MirroredStrategy(['/device:CPU:0', '/device:CPU:1'])"])
+
+
 def test_mirrored_devices_that_name_no_device_are_refused_when_the_spec_is_made():
     _raises(lambda: kerasdist.mirrored(devices=["bogus"]),
             ["devices=['bogus']", "'bogus' is not a device name", "'/gpu:0'", "'/device:CPU:1'"])

@@ -402,3 +402,34 @@ def test_loss_scale_optimizer_internals_replaced_for_central_storage():
     internals.update_loss_scale_once_per_step(optimizer)
     assert "_stateful_handle_finite_grads" in vars(optimizer) and "check_finite" in vars(optimizer)
     assert bool(optimizer.check_finite([tf.constant([1.0])])) and not bool(optimizer.check_finite([tf.constant([np.inf])]))
+
+
+def test_mirrored_strategy_collective_keys_are_rebuilt_from_the_base_until_first_used():
+    """keep_collectives_apart: a MirroredStrategy's group key comes from ``_collective_key_base`` through
+    ``_make_collective_ops_with_fallbacks``; its all-reduce then runs under the new key; a strategy whose
+    instance keys were given out (a traced collective) keeps its keys."""
+    from kerasdist._keras_internals.collectives import collective_group_keys, keep_collectives_apart
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert collective_group_keys(strategy) == {1} and strategy.extended._collective_key_base == 0
+    assert strategy.extended._cross_device_ops is strategy.extended._collective_ops
+    assert keep_collectives_apart(strategy) and keep_collectives_apart(strategy)
+    (group,) = collective_group_keys(strategy)
+    assert group == strategy.extended._collective_key_base + 1 > 1
+    assert strategy.extended._cross_device_ops is strategy.extended._collective_ops
+    assert strategy.extended._collective_ops._collective_keys is strategy.extended._collective_keys
+
+    @tf.function
+    def all_reduce():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce("sum", tf.ones([3])))
+
+    np.testing.assert_array_equal(strategy.experimental_local_results(all_reduce())[1].numpy(), [2.0] * 3)
+    assert any(key > 100 for key in strategy.extended._collective_keys._instance_key_table[group].values())
+
+    used = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    used.extended._collective_keys.get_instance_key(1, used.extended.worker_devices[0])
+    assert not keep_collectives_apart(used) and collective_group_keys(used) == {1}
+    reduce_to_one = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+                                                   cross_device_ops=tf.distribute.ReductionToOneDevice())
+    assert keep_collectives_apart(reduce_to_one)
+    assert isinstance(reduce_to_one.extended._cross_device_ops, tf.distribute.ReductionToOneDevice)
