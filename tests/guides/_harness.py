@@ -68,6 +68,20 @@ def observe(records):
         undo()
 
 
+def run_in_this_process(guide, records):
+    """Run ``guide`` as ``__main__`` here (under ``observe``); returns its globals and the exception it
+    raised, or None, so that what ran before a failure can still be checked."""
+    namespace = {"__name__": "__main__", "__file__": guide}
+    with open(guide) as f:
+        code = compile(f.read(), guide, "exec")
+    with observe(records):
+        try:
+            exec(code, namespace)
+        except Exception as error:  # noqa: BLE001 (handed to the test that checks that part)
+            return namespace, error
+    return namespace, None
+
+
 def _patch_keras_once_imported(patch):
     """Call ``patch(keras)`` as soon as an import leaves Keras usable enough (its History callback and
     its MNIST loader exist), whoever imports it: the guide, kerasdist or TensorFlow's ``tf.keras``."""

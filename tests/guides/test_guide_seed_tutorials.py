@@ -1,0 +1,114 @@
+"""The seed tutorials: TensorFlow's "Distributed training with Keras" (MirroredStrategy, save and load
+both ways) and kerasdist's own two-line ResNet50, each on 2 logical CPU replicas."""
+
+import os
+import runpy
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from tests.guides import _data
+from tests.guides._harness import describe, observe, run_in_this_process
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory):
+    os.environ["GUIDE_WORKDIR"] = str(tmp_path_factory.mktemp("tf_keras_tutorial"))
+    fits = []
+    try:
+        namespace, error = run_in_this_process(os.path.join(HERE, "guide_tf_distribute_keras.py"), fits)
+    finally:
+        del os.environ["GUIDE_WORKDIR"]
+    return fits, namespace, error
+
+
+@pytest.mark.timeout(300)
+def test_tutorial_trains_on_2_replicas(tutorial):
+    fits, _, _ = tutorial
+    fit = fits[0]
+    print("tutorial:", fit["history"])
+    assert fit["strategy"] == "MirroredStrategy" and fit["replicas"] == 2
+    assert fit["history"]["loss"][1] < fit["history"]["loss"][0]
+    assert fit["history"]["accuracy"][-1] > 0.5  # chance: 0.1
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
+    "since b0b610d keras.models.load_model brings distribute='mirrored' back; the tutorial then compiles "
+    "the loaded model plainly (its 'load without strategy.scope' step) and evaluate fails inside Keras with "
+    "'Mixing different tf.distribute.Strategy objects' instead of training plain or refusing at compile "
+    "(kerasdist.load_plain is the documented way; reported to the lead)"))
+def test_tutorial_saved_model_loads_plain_and_distributed_with_the_same_predictions(tutorial):
+    _, ns, error = tutorial
+    if error is not None:
+        raise error
+    trained, plain, replicated = ns["model"], ns["unreplicated_model"], ns["replicated_model"]
+    assert describe(plain)["replicas"] == 1 and describe(replicated)["replicas"] == 2
+    x = next(iter(ns["eval_dataset"]))[0].numpy()
+    expected = trained.predict(x, verbose=0)
+    diffs = [float(np.max(np.abs(m.predict(x, verbose=0) - expected))) for m in (plain, replicated)]
+    print("saved after distributed training: max |prediction diff| plain, distributed =", diffs)
+    assert max(diffs) <= 1e-5
+    accuracy = [m.evaluate(ns["eval_dataset"], verbose=0)[1] for m in (trained, plain, replicated)]
+    assert accuracy[0] > 0.5 and accuracy[1] == pytest.approx(accuracy[0]) == pytest.approx(accuracy[2])
+
+
+def _small_model():
+    return keras.Sequential([keras.Input((28, 28)), keras.layers.Flatten(),
+                             keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+
+
+@pytest.mark.timeout(300)
+def test_saved_plain_loads_and_trains_distributed(tmp_path):
+    (x, y), _ = _data.load_data()
+    x, y = x[:2048].astype("float32") / 255, y[:2048]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain = _small_model()
+    plain.compile(optimizer="adam", loss=loss, metrics=["accuracy"])
+    plain.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    plain.save(tmp_path / "plain.keras")
+    loaded = keras.models.load_model(tmp_path / "plain.keras")
+    np.testing.assert_allclose(loaded.predict(x[:64], verbose=0), plain.predict(x[:64], verbose=0), atol=1e-6)
+    loaded.compile(optimizer="adam", loss=loss, metrics=["accuracy"], distribute="mirrored")
+    history = loaded.fit(x, y, batch_size=64, epochs=2, verbose=0).history
+    print("loaded plain, trained distributed:", history)
+    assert describe(loaded)["replicas"] == 2
+    assert history["loss"][1] < history["loss"][0] and history["accuracy"][-1] > 0.5
+
+
+@pytest.mark.timeout(300)
+def test_two_line_resnet50_trains_on_2_replicas():
+    start, cpu_start = time.monotonic(), time.process_time()
+    with observe([]) as fits:
+        runpy.run_path(os.path.join(HERE, "guide_two_line_resnet.py"), run_name="__main__")
+    seconds, cpu_seconds = time.monotonic() - start, time.process_time() - cpu_start
+    (fit,) = fits
+    print(f"ResNet50 (32x32x3), 2 steps of 8 on 2 replicas: {seconds:.1f} s wall, {cpu_seconds:.1f} s CPU; {fit}")
+    assert fit["strategy"] == "MirroredStrategy" and fit["replicas"] == 2
+    assert np.isfinite(fit["history"]["loss"][0])
+
+
+@pytest.mark.timeout(300)
+def test_tutorial_saved_model_with_load_plain_for_the_plain_load(tutorial):
+    """The tutorial's save/load cells with kerasdist's documented plain load (kerasdist.load_plain)."""
+    import kerasdist
+
+    _, ns, _ = tutorial
+    trained, path = ns["model"], ns["path"]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain = kerasdist.load_plain(path)
+    plain.compile(loss=loss, optimizer=keras.optimizers.Adam(), metrics=["accuracy"])
+    replicated = keras.models.load_model(path)
+    replicated.compile(loss=loss, optimizer=keras.optimizers.Adam(), metrics=["accuracy"], distribute="mirrored")
+    assert describe(plain)["replicas"] == 1 and describe(replicated)["replicas"] == 2
+    x = next(iter(ns["eval_dataset"]))[0].numpy()
+    expected = trained.predict(x, verbose=0)
+    diffs = [float(np.max(np.abs(m.predict(x, verbose=0) - expected))) for m in (plain, replicated)]
+    print("saved after distributed training: max |prediction diff| load_plain, load_model =", diffs)
+    assert max(diffs) <= 1e-5
+    accuracy = [m.evaluate(ns["eval_dataset"], verbose=0)[1] for m in (trained, plain, replicated)]
+    assert accuracy[0] > 0.5 and accuracy[1] == pytest.approx(accuracy[0]) == pytest.approx(accuracy[2])
