@@ -50,8 +50,9 @@ def _env(args):
     cluster = system.detect_cluster()
     auto = system.hook.kerasdist_auto_strategy(cluster=cluster)
     listeners = [item for found in system.hook.kerasdist_listeners(cluster=cluster) if found for item in found]
+    backend = _backend()
     info = {"cluster": cluster.as_dict(), "is_chief": cluster.is_chief, "num_workers": cluster.num_workers,
-            "auto_strategy": auto, "keras_backend": _backend(), "local_devices": _devices(),
+            "auto_strategy": auto, "keras_backend": backend, "local_devices": _devices(backend),
             "listens": listeners, "kerasdist": kerasdist.__version__}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
@@ -74,11 +75,23 @@ def _backend():
     return keras_backend()
 
 
-def _devices():
-    with _native_stderr_silenced():  # TensorFlow's C++ start-up notices ignore TF_CPP_MIN_LOG_LEVEL
-        import tensorflow as tf
+def _devices(backend):
+    """This process's devices as ``backend``'s framework names them; if it is missing, why and how to install it."""
+    from .registry import backend_missing
 
-        return [d.name for d in tf.config.list_logical_devices()]
+    missing = backend_missing(backend)
+    if missing:
+        return f"unknown: {missing}"
+    with _native_stderr_silenced():  # TensorFlow's and XLA's C++ start-up notices ignore the log-level settings
+        if backend == "jax":
+            import jax
+
+            return [f"{d.platform}:{d.id}" for d in jax.local_devices()]
+        if backend == "tensorflow":
+            import tensorflow as tf
+
+            return [d.name for d in tf.config.list_logical_devices()]
+    return f"unknown: `kerasdist env` lists the devices of the tensorflow and jax backends, not of {backend!r}"
 
 
 @contextlib.contextmanager

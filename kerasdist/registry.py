@@ -71,9 +71,19 @@ class PluginEntry:
             return None
         backend = keras_backend()
         if backend in self.backends:
-            return _backend_missing(backend)
-        return (f"needs the Keras backend {' or '.join(self.backends)}, but the backend is "
+            return backend_missing(backend)
+        wanted, install = " or ".join(self.backends), self.backend_install()
+        if install:
+            return (f"needs the Keras backend {wanted}, which is not installed (the backend is {backend!r}): "
+                    f"{install}, then set KERAS_BACKEND={self.backends[0]}")
+        return (f"needs the Keras backend {wanted}, but the backend is "
                 f"{backend!r}: set KERAS_BACKEND={self.backends[0]} before importing keras")
+
+    def backend_install(self):
+        """How to install the framework this plugin needs when none of its backends' is installed, else None."""
+        if not self.backends or any(backend_missing(b) is None for b in self.backends):
+            return None
+        return BACKEND_INSTALL.get(self.backends[0], f"install {self.backends[0]}")
 
     def create(self, **options):
         self.check_options(options)
@@ -118,7 +128,8 @@ class PluginEntry:
                 "description": self.description, "aliases": list(self.aliases),
                 "backends": list(self.backends),
                 "options": None if options is None else {k: _describe_default(v) for k, v in options.items()},
-                "install": self.install_hint() if reason else None}
+                "install": "; then ".join(filter(None, (self.backend_install(), self.install_hint()))) or None
+                if reason else None}
 
 
 #: How to install each Keras backend's framework (TensorFlow is an extra, never a hard dependency).
@@ -129,7 +140,7 @@ BACKEND_INSTALL = {
 }
 
 
-def _backend_missing(backend):
+def backend_missing(backend):
     """Why the framework of ``backend`` is missing, or None (found without importing it)."""
     if backend not in BACKEND_INSTALL or _module_exists(backend):
         return None

@@ -6,6 +6,7 @@ and ``kerasdist launch`` set. Slurm is read from an ``srun`` step's variables
 """
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -48,6 +49,11 @@ def from_tf_config(environ):
         raise ClusterConfigError(f"TF_CONFIG must be a JSON object with 'cluster' and 'task'; got {raw[:200]!r}.")
     if not config.get("cluster"):
         return None
+    if importlib.util.find_spec("tensorflow") is None:  # a JAX-only install: the same reading, in Python
+        cluster, task_type, task_index, rpc_layer = _read_without_tensorflow(config)
+        validate(cluster, task_type, task_index, source="TF_CONFIG")
+        return ClusterInfo(task_type=task_type, task_index=int(task_index), cluster=cluster,
+                           source="tf_config", rpc_layer=rpc_layer)
     import tensorflow as tf
 
     with _environment(environ, ("TF_CONFIG",)):
@@ -66,6 +72,20 @@ def from_tf_config(environ):
     validate(cluster, task_type, task_index, source="TF_CONFIG")
     return ClusterInfo(task_type=task_type, task_index=int(task_index), cluster=cluster,
                        source="tf_config", rpc_layer=rpc_layer)
+
+
+def _read_without_tensorflow(config):
+    """What ``TFConfigClusterResolver`` reads from TF_CONFIG: ``(cluster, task type, task index, rpc layer)``,
+    each job's addresses as a list in task order (a job may be ``{"index": address}``, as TensorFlow allows)."""
+    cluster, task = config["cluster"], config.get("task") or {}
+    try:
+        cluster = {job: [addresses[k] for k in sorted(addresses, key=int)] if isinstance(addresses, dict)
+                   else list(addresses) for job, addresses in cluster.items()}
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ClusterConfigError(
+            f"TF_CONFIG 'cluster' is not valid ({exc}): {json.dumps(config.get('cluster'))[:200]}. "
+            'Give job names mapped to lists of "host:port", e.g. {"worker": ["h1:2222", "h2:2222"]}.') from None
+    return cluster, task.get("type"), task.get("index"), config.get("rpc_layer") or "grpc"
 
 
 def validate(cluster, task_type, task_index, source):

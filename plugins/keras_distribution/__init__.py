@@ -14,12 +14,12 @@ import dataclasses
 from typing import Optional, Sequence
 
 import kerasdist
-from kerasdist.plugin_tools import (check_number, keras_backend, lay_out_variables, local_replica_devices,
-                                    variable_layout)
+from kerasdist.plugin_tools import (all_layers, check_number, keras_backend, lay_out_variables,
+                                    local_replica_devices, variable_layout)
 
 from . import processes
-from .layout import (DEFAULT_MIN_SHARD_SIZE, check_layout_axes, choose_axes, format_layout, layout_rows,
-                     mesh_shape)
+from .layout import (DEFAULT_MIN_SHARD_SIZE, batch_axis_of, check_layout_axes, choose_axes, format_layout,
+                     layer_outputs, layout_rows, mesh_shape, output_layout_map)
 
 __all__ = ["DataParallel", "Hybrid", "layout_table"]
 
@@ -54,36 +54,46 @@ class DataParallel(kerasdist.StrategySpec):
 
 @dataclasses.dataclass
 class Hybrid(kerasdist.StrategySpec):
-    """Data and model parallelism at once (JAX): the batch split along ``batch_axis``, weights sharded.
+    """Data and model parallelism at once (JAX): the batch split along the batch axis, weights sharded.
 
-    :param mesh: ``{axis name: size}``, e.g. ``{"batch": 2, "model": 4}``; the sizes multiply to the
+    :param mesh: ``{axis name: size}``, e.g. ``{"data": 2, "model": 4}``; the sizes multiply to the
         device count. None: every device on one "model" axis (pure model parallelism).
-    :param layout: ``{path regex: (axis or None, ...)}`` per variable dimension, matched with
-        ``re.search`` against variable paths (``"dense/kernel"``); unmatched variables are replicated.
+    :param layout: ``{path regex: (axis or None, ...)}`` per dimension, matched with ``re.search``: against
+        variable paths (``"d1/kernel"``; unmatched variables are replicated), and, for a rule ending in
+        ``/output`` (``"d2/output"``), against layer outputs, as in Keras's ``LayoutMap``.
         None: the default rule shards the last dimension of every kernel or embedding table with at
         least ``min_shard_size`` elements over the first non-batch axis, and replicates the rest.
-    :param batch_axis: the mesh axis the batch is split along.
+    :param batch_axis: the mesh axis the batch is split along (Keras's ``batch_dim_name``). None: the axis
+        named "batch" if there is one, else the mesh's first axis (``{"data": 2, "model": 4}``: "data"),
+        and for a one-axis mesh such as ``{"model": 8}`` none (the batch is not split).
     :param show_layout: print each variable's shape, sharding and bytes per device at compile.
     """
 
     mesh: Optional[dict] = None
     layout: Optional[dict] = None
-    batch_axis: str = "batch"
+    batch_axis: Optional[str] = None
     min_shard_size: int = DEFAULT_MIN_SHARD_SIZE
     show_layout: bool = False
 
     def __post_init__(self):
+        if self.batch_axis is not None and (not isinstance(self.batch_axis, str) or not self.batch_axis):
+            raise kerasdist.KerasdistError(f"hybrid: batch_axis={self.batch_axis!r} is not valid; give a mesh axis "
+                                           "name such as 'data', or None.")
+        if self.layout is not None and (not isinstance(self.layout, dict) or not all(
+                isinstance(k, str) and isinstance(v, (tuple, list)) for k, v in self.layout.items())):
+            raise kerasdist.KerasdistError(f"hybrid: layout={self.layout!r} is not valid; give {{path regex: (axis or "
+                                           "None, ...)}}, e.g. {'dense.*/kernel': (None, 'model')}.")
         if self.mesh is not None:
             if not isinstance(self.mesh, dict) or not self.mesh or not all(
                     isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
                     for k, v in self.mesh.items()):
                 raise kerasdist.KerasdistError(f"hybrid: mesh={self.mesh!r} is not valid; give {{axis name: size >= 1}}, "
-                                               "e.g. {'batch': 2, 'model': 4}.")
-            check_layout_axes(self.layout, {self.batch_axis: 1, **self.mesh}, self.batch_axis)
-        if self.layout is not None and (not isinstance(self.layout, dict) or not all(
-                isinstance(k, str) and isinstance(v, (tuple, list)) for k, v in self.layout.items())):
-            raise kerasdist.KerasdistError(f"hybrid: layout={self.layout!r} is not valid; give {{path regex: (axis or "
-                                           "None, ...)}}, e.g. {'dense.*/kernel': (None, 'model')}.")
+                                               "e.g. {'data': 2, 'model': 4}.")
+            if self.batch_axis is not None and self.batch_axis not in self.mesh:
+                raise kerasdist.KerasdistError(
+                    f"hybrid: batch_axis={self.batch_axis!r} is not an axis of mesh={self.mesh!r}; use one of "
+                    f"{list(self.mesh)}, or batch_axis=None (the axis named 'batch', else the first axis).")
+            check_layout_axes(self.layout, {batch_axis_of(self.mesh, self.batch_axis): 1, **self.mesh})
         check_number(self.min_shard_size, "min_shard_size", "hybrid", minimum=0, integer=True)
 
     def identity(self):
@@ -137,10 +147,10 @@ def kerasdist_create_strategy(spec):
     if isinstance(spec, DataParallel):
         distribution = keras.distribution.DataParallel(devices=devices)
     else:
-        mesh = mesh_shape(spec, len(devices))
+        mesh, batch_axis = mesh_shape(spec, len(devices))
         device_mesh = keras.distribution.DeviceMesh(shape=tuple(mesh.values()), axis_names=list(mesh), devices=devices)
-        distribution = keras.distribution.ModelParallel(layout_map=keras.distribution.LayoutMap(device_mesh),
-                                                        batch_dim_name=spec.batch_axis)
+        distribution = keras.distribution.ModelParallel(layout_map=output_layout_map(spec.layout, device_mesh),
+                                                        batch_dim_name=batch_axis)
     distribution.auto_shard_dataset = False  # several processes: each is given its rows (processes.py)
     return distribution
 
@@ -172,8 +182,9 @@ def kerasdist_prepare_model(model, strategy, spec):
     variables = list(model.variables)
     if isinstance(spec, Hybrid):
         mesh = dict(zip(strategy.device_mesh.axis_names, strategy.device_mesh.shape))
-        check_layout_axes(spec.layout, mesh, spec.batch_axis)
-        axes = choose_axes([v for v in variables if variable_layout(v) is None], spec, mesh)
+        check_layout_axes(spec.layout, mesh)
+        axes = choose_axes([v for v in variables if variable_layout(v) is None], spec, mesh, strategy.batch_dim_name,
+                           layer_outputs(model, all_layers(model)))
     else:
         axes = {}
 
@@ -210,7 +221,7 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
             raise kerasdist.KerasdistError(
                 f"{spec.name}: predict over several JAX processes is not supported; predict in one process "
                 "(e.g. load the saved model there), or under kerasdist.is_chief() after training.")
-        processes.split_inputs(call_kwargs, spec.name)
+        processes.split_inputs(call_kwargs, spec.name, size)
         processes.quiet_other_processes(method, call_kwargs)
 
 

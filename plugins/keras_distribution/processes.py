@@ -37,36 +37,50 @@ def process_count():
     return jax.process_count(), jax.process_index()
 
 
-def split_inputs(call_kwargs, spec_name):
+def batch_part(count, index, batch_axis_size):
+    """``(parts, part)``: into how many parts the processes split each global batch, and this process's.
+    One part per process; with a batch axis smaller than the process count (``{"model": 8}`` over two
+    processes), one per batch slice, the processes of a slice feeding the same rows (the batch axis is
+    the mesh's outermost, so a slice is held by consecutive processes)."""
+    if batch_axis_size % count == 0:
+        return count, index
+    if count % batch_axis_size == 0:
+        return batch_axis_size, index // (count // batch_axis_size)
+    raise KerasdistError(f"the batch axis of size {batch_axis_size} cannot be split among {count} JAX processes; "
+                         f"give it a size that is a multiple or a divisor of {count}.")
+
+
+def split_inputs(call_kwargs, spec_name, batch_axis_size):
     """Give this process its rows of every global batch (NumPy inputs), and the per-process batch size."""
     count, index = process_count()
     if count == 1:
         return
+    parts, part = batch_part(count, index, batch_axis_size)
     x = call_kwargs.get("x")
     if is_dataset(x) or (x is not None and not isinstance(x, (np.ndarray, list, tuple, dict))):
         raise KerasdistError(f"{spec_name} over {count} JAX processes: give NumPy arrays (each process then takes "
                              f"its part of every global batch), not {type(x).__name__}.")
     batch = call_kwargs.get("batch_size") or 32
-    if batch % count:
-        raise KerasdistError(f"{spec_name}: batch_size={batch} is the global batch; it must divide among the {count} "
-                             f"processes; give a multiple of {count}.")
+    if batch % parts:
+        raise KerasdistError(f"{spec_name}: batch_size={batch} is the global batch; it must divide among the {parts} "
+                             f"process groups; give a multiple of {parts}.")
     size = len(first_array(x))
     order = np.arange(size)
     if call_kwargs.get("shuffle", True) is not False:  # one permutation, the same in every process
         order = np.random.default_rng(len(order)).permutation(size)
     rows = []
     for start in range(0, size, batch):
-        part = min(batch, size - start)
-        if part % count:
-            raise KerasdistError(f"{spec_name}: the last batch has {part} examples, which do not divide among the "
-                                 f"{count} processes; use a number of examples divisible by {count}.")
-        share = part // count
-        rows.extend(order[start + index * share:start + (index + 1) * share])
+        in_batch = min(batch, size - start)
+        if in_batch % parts:
+            raise KerasdistError(f"{spec_name}: the last batch has {in_batch} examples, which do not divide among "
+                                 f"the {parts} process groups; use a number of examples divisible by {parts}.")
+        share = in_batch // parts
+        rows.extend(order[start + part * share:start + (part + 1) * share])
     rows = np.asarray(rows, dtype=np.int64)
     for key in ("x", "y", "sample_weight"):
         if call_kwargs.get(key) is not None:
             call_kwargs[key] = _take(call_kwargs[key], rows)
-    call_kwargs["batch_size"] = batch // count
+    call_kwargs["batch_size"] = batch // parts
     call_kwargs["shuffle"] = False
 
 
