@@ -27,6 +27,11 @@ class CentralStorage(kerasdist.StrategySpec):
     parameter_device: Optional[str] = None
     sync_batch_norm: bool = False
 
+    def __post_init__(self):
+        from kerasdist.plugin_tools import check_device_names
+
+        check_device_names(self.compute_devices, "central_storage: compute_devices")
+
     def identity(self):
         """Equal when the devices are (the default devices resolved)."""
         from kerasdist.plugin_tools import canonical_devices, local_replica_devices

@@ -141,6 +141,9 @@ def test_mirrored_devices_that_name_no_device_are_refused_when_the_spec_is_made(
             ["devices=['bogus']", "'bogus' is not a device name", "'/gpu:0'", "'/device:CPU:1'"])
     _raises(lambda: kerasdist.spec("mirrored", devices=["/cpu:0", "/gpu:x"]), ["'/gpu:x' is not a device name"])
     _raises(lambda: kerasdist.mirrored(devices=[]), ["devices=[] names no device", "None for the default devices"])
+    _raises(lambda: kerasdist.central_storage(compute_devices=[]),
+            ["central_storage: compute_devices=[] names no device", "None for the default devices"])
+    _raises(lambda: kerasdist.spec("central_storage", compute_devices=["cpu zero"]), ["'cpu zero' is not a device name"])
 
 
 def test_an_optimization_named_twice_is_refused_before_the_model_is_touched():
