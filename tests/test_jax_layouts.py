@@ -1,5 +1,6 @@
 """hybrid in the keras.io guide's form ("Distributed training with Keras 3"): the user's mesh axis names
-(the batch on "data") and layer-output rules ("d2/output"), on 8 JAX host devices in their own process."""
+(the batch on "data") and layer-output rules ("d2/output"), and the guide's own ModelParallel/DataParallel
+objects passed as distribute=, on 8 JAX host devices in their own process."""
 
 import importlib.util
 import json
@@ -33,6 +34,23 @@ def test_guide_mesh_splits_the_batch_over_data_and_applies_d2_output(guide):
     assert not result["warnings"], result["warnings"]
     print(f"guide's hybrid (data=2, model=4) vs one device, SGD, 2 epochs: max |dw| = {result['max_weight_diff']:.3g}")
     assert result["max_weight_diff"] <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_the_guides_model_parallel_object_as_distribute_applies_its_layout_map(guide):
+    """distribute=keras.distribution.ModelParallel(layout_map=..., batch_dim_name="data") for a model built
+    outside it: laid out as the equivalent kerasdist.hybrid (before: d1/kernel stayed replicated)."""
+    result = guide["guide_model_parallel_object"]
+    assert result["kernel_spec"] == "P(None, 'model')" and result["bias_spec"] == "P('model',)", result
+    assert result["data_layouts"] and all(axes[0] == "data" and set(axes[1:]) <= {None}
+                                          for axes in result["data_layouts"]), result["data_layouts"]
+    assert result["d2_output_is_data_none"], result["d2_output"]
+    assert not result["warnings"], result["warnings"]
+    print(f"the guide's ModelParallel object vs one device, SGD, 2 epochs: max |dw| = {result['max_weight_diff']:.3g}")
+    assert result["max_weight_diff"] <= 1e-5
+    data_parallel = guide["guide_data_parallel_object"]
+    assert data_parallel["kernel_spec"] == "P(None, None)" and data_parallel["max_weight_diff"] <= 1e-5, data_parallel
+    assert "gives ('model',) (1 dimensions) for d1/kernel of shape (784, 200)" in guide["model_parallel_rule_rank"]
 
 
 @pytest.mark.timeout(300)

@@ -5,12 +5,15 @@ On JAX, Keras's own ``keras.distribution`` (DeviceMesh, LayoutMap, DataParallel,
 each variable gets the layout the spec gives (replicated for data parallelism, sharded by the layout or
 the default rule for hybrid parallelism) and its value is placed there; ``fit``/``evaluate``/``predict``
 then run inside the distribution's scope, which splits each batch along the batch axis. Variables that
-already have a layout (a model built under the user's own distribution) keep it.
+already have a layout (a model built under the user's own distribution) keep it. A ``keras.distribution``
+``DataParallel``/``ModelParallel`` object passed as ``distribute=`` is turned into the equivalent spec
+(``spec_of_distribution``) and takes the same path, its own mesh and batch axis kept.
 
 On TensorFlow, "data_parallel" is ``tf.distribute.MirroredStrategy`` over the local devices.
 """
 
 import dataclasses
+import re
 from typing import Optional, Sequence
 
 import kerasdist
@@ -171,7 +174,8 @@ def _jax_devices(spec):
 
 @kerasdist.hookimpl
 def kerasdist_prepare_model(model, strategy, spec):
-    if not isinstance(spec, (DataParallel, Hybrid)) or keras_backend() != "jax":
+    spec = own_spec(spec, strategy, model)
+    if spec is None:
         return
     if not model.built:
         raise kerasdist.KerasdistError(
@@ -207,7 +211,8 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
-    if not isinstance(spec, (DataParallel, Hybrid)) or keras_backend() != "jax":
+    spec = own_spec(spec, strategy, model)
+    if spec is None:
         return
     batch_axis = strategy.batch_dim_name
     size = dict(zip(strategy.device_mesh.axis_names, strategy.device_mesh.shape))[batch_axis]
@@ -227,7 +232,7 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
-    if not isinstance(spec, (DataParallel, Hybrid)) or keras_backend() != "jax":
+    if own_spec(spec, strategy, model) is None:
         return None
     import keras
 
@@ -235,6 +240,50 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
     lay_out_variables(variables, lambda v: keras.distribution.TensorLayout([None] * len(v.shape), strategy.device_mesh))
     with strategy.scope():
         return call(**call_kwargs)
+
+
+def own_spec(spec, strategy, model):
+    """On JAX, the DataParallel/Hybrid spec this plugin runs ``spec`` as: itself, or for a
+    ``keras.distribution`` object passed as ``distribute=`` (the hooks' ``strategy``), its equivalent;
+    None for a spec that is not this plugin's."""
+    if keras_backend() != "jax":
+        return None
+    if isinstance(spec, (DataParallel, Hybrid)):
+        return spec
+    if getattr(spec, "strategy", None) is strategy and strategy is not None:  # passed as is
+        return spec_of_distribution(strategy, model)
+    return None
+
+
+def spec_of_distribution(distribution, model):
+    """The spec that lays ``model`` out as ``distribution`` (``keras.distribution.DataParallel`` or
+    ``ModelParallel``) would have, had the model been built under it; None for any other object.
+
+    A ModelParallel becomes ``Hybrid`` on its mesh and ``batch_dim_name``, with one exact rule per variable
+    not laid out yet and per layer output, each as the distribution itself answers for that path
+    (``get_variable_layout``, ``get_tensor_layout``: its LayoutMap, matched the way Keras matches it)."""
+    import keras
+
+    if isinstance(distribution, keras.distribution.ModelParallel):
+        device_mesh = distribution.device_mesh
+        layout = {_exactly(v.path): tuple(distribution.get_variable_layout(v).axes)
+                  for v in model.variables if variable_layout(v) is None}
+        for path in layer_outputs(model, all_layers(model)):
+            output_layout = distribution.get_tensor_layout(path)
+            if output_layout is not None:
+                layout[_exactly(path)] = tuple(output_layout.axes)
+        spec = Hybrid(mesh={axis: int(size) for axis, size in zip(device_mesh.axis_names, device_mesh.shape)},
+                      layout=layout, batch_axis=distribution.batch_dim_name)
+    elif isinstance(distribution, keras.distribution.DataParallel):
+        spec = DataParallel()
+    else:
+        return None
+    spec._kerasdist_name = f"keras.distribution.{type(distribution).__name__}"
+    return spec
+
+
+def _exactly(path):
+    return f"^{re.escape(path)}$"
 
 
 def layout_table(model):

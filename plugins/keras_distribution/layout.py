@@ -80,7 +80,7 @@ def choose_axes(variables, spec, mesh, batch_axis, outputs=None):
     ``outputs`` (``layer_outputs``); warns about each rule that matches nothing."""
     model_axes = [axis for axis in mesh if axis != batch_axis]
     rules = {p: axes for p, axes in (spec.layout or {}).items() if not is_output_rule(p)}
-    chosen, used = {}, _check_output_rules(spec.layout, mesh, outputs or {})
+    chosen, used = {}, _check_output_rules(spec.layout, mesh, outputs or {}, spec.name)
     for variable in variables:
         path, shape = variable.path, tuple(variable.shape)
         if spec.layout:
@@ -90,13 +90,13 @@ def choose_axes(variables, spec, mesh, batch_axis, outputs=None):
                 used.add(rule)
         else:
             axes = default_axes(path, shape, model_axes[0] if model_axes else None, mesh, spec.min_shard_size)
-        _check_fits(rule if spec.layout else None, axes, path, shape, mesh)
+        _check_fits(rule if spec.layout else None, axes, path, shape, mesh, spec.name)
         chosen[path] = axes
     _warn_unused([rule for rule in (spec.layout or {}) if rule not in used], variables, outputs or {})
     return chosen
 
 
-def _check_output_rules(layout, mesh, outputs):
+def _check_output_rules(layout, mesh, outputs, name):
     """The output rules that match a layer output; each checked against that output's shape when known."""
     used = set()
     for path, shape in outputs.items():
@@ -104,17 +104,17 @@ def _check_output_rules(layout, mesh, outputs):
         if rule is not None:
             used.add(rule)
             if shape is not None:
-                _check_fits(rule, tuple(layout[rule]), path, shape, mesh)
+                _check_fits(rule, tuple(layout[rule]), path, shape, mesh, name)
     return used
 
 
-def _check_fits(rule, axes, path, shape, mesh):
+def _check_fits(rule, axes, path, shape, mesh, name):
     if rule is not None and len(axes) != len(shape):
-        raise KerasdistError(f"hybrid: layout rule {rule!r} gives {axes} ({len(axes)} dimensions) for "
+        raise KerasdistError(f"{name}: layout rule {rule!r} gives {axes} ({len(axes)} dimensions) for "
                              f"{path} of shape {shape} ({len(shape)} dimensions).")
     for dim, axis in zip(shape, axes):
         if axis is not None and dim is not None and dim % mesh[axis] != 0:
-            raise KerasdistError(f"hybrid: cannot shard {path} of shape {shape} along axis {axis!r}: its "
+            raise KerasdistError(f"{name}: cannot shard {path} of shape {shape} along axis {axis!r}: its "
                                  f"dimension {dim} is not divisible by the axis size {mesh[axis]}; change the "
                                  "layout rule or the mesh.")
 

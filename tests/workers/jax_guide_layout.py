@@ -55,15 +55,25 @@ def recording_get_data_layout(self, data_shape):
 keras.distribution.ModelParallel.get_data_layout = recording_get_data_layout
 
 
+def guide_model_parallel(layout):
+    """The guide's own object: keras.distribution.ModelParallel over a LayoutMap of ``layout``."""
+    mesh = keras.distribution.DeviceMesh(shape=tuple(MESH.values()), axis_names=list(MESH), devices=jax.devices())
+    layout_map = keras.distribution.LayoutMap(mesh)
+    for pattern, axes in layout.items():
+        layout_map[pattern] = axes
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="data")
+
+
 def train(units, layout):
-    """Fit 2 epochs; returns the weights, the warnings, d2's output shardings and the mesh."""
+    """Fit 2 epochs; returns the weights, the warnings, d2's output shardings and the mesh. ``layout``: a
+    hybrid layout dict, or a keras.distribution object passed as is (built before the model), or None."""
     seen = []
+    distribute = kerasdist.hybrid(mesh=MESH, layout=layout) if isinstance(layout, dict) else layout
     model = guide_model(units, seen)
     x = np.random.default_rng(0).normal(size=(64, 28, 28, 1)).astype("float32")
     y = keras.utils.to_categorical(np.random.default_rng(1).integers(0, units, 64), units)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        distribute = kerasdist.hybrid(mesh=MESH, layout=layout) if layout is not None else None
         model.compile(optimizer="sgd", loss="categorical_crossentropy", distribute=distribute)
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     return model, [str(w.message) for w in caught], seen
@@ -75,19 +85,32 @@ def sharding_is(sharding, *spec):
     return sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec(*spec)), len(spec))
 
 
+def trained_as(plain, units, layout):
+    """What ``train(units, layout)`` did: data layouts, warnings, d2's output, d1's specs, |dw| vs one device."""
+    data_layouts.clear()
+    model, caught, seen = train(units, layout)
+    return {
+        "data_layouts": data_layouts[:],
+        "warnings": caught,
+        "d2_output": [str(s) for s in seen],
+        "d2_output_is_data_none": bool(seen) and all(sharding_is(s, "data", None) for s in seen),
+        "kernel_spec": str(model.get_layer("d1").kernel.value.sharding.spec),
+        "bias_spec": str(model.get_layer("d1").bias.value.sharding.spec),
+        "max_weight_diff": max(float(np.max(np.abs(a - b)))
+                               for a, b in zip(model.get_weights(), plain.get_weights())),
+    }
+
+
 results = {}
 plain, _, _ = train(10, None)
-data_layouts.clear()
-model, caught, seen = train(10, GUIDE_LAYOUT)
-results["guide"] = {
-    "data_layouts": data_layouts[:],
-    "warnings": caught,
-    "d2_output": [str(s) for s in seen],
-    "d2_output_is_data_none": bool(seen) and all(sharding_is(s, "data", None) for s in seen),
-    "kernel_spec": str(model.get_layer("d1").kernel.value.sharding.spec),
-    "bias_spec": str(model.get_layer("d1").bias.value.sharding.spec),
-    "max_weight_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), plain.get_weights())),
-}
+results["guide"] = trained_as(plain, 10, GUIDE_LAYOUT)
+results["guide_model_parallel_object"] = trained_as(plain, 10, guide_model_parallel(GUIDE_LAYOUT))
+results["guide_data_parallel_object"] = trained_as(plain, 10, keras.distribution.DataParallel(devices=jax.devices()))
+try:
+    guide_model(10, []).compile(loss="mse", distribute=guide_model_parallel({"d1/kernel": ("model",)}))
+    results["model_parallel_rule_rank"] = None
+except kerasdist.KerasdistError as exc:
+    results["model_parallel_rule_rank"] = str(exc)
 _, caught, seen = train(8, {**GUIDE_LAYOUT, "d2/output": (None, "model")})
 results["output_rule_on_model_axis"] = {
     "warnings": caught,
