@@ -16,7 +16,7 @@ Every line changed from the guide (the user's diff):
 Changed for this test: checkpoint_dir = "./ckpt" -> os.environ.get("GUIDE_CKPT_DIR", "./ckpt")
   (the test's temporary folder; unset, the guide's own value).
 Shrunk for CI: nothing. Data: `keras.datasets.mnist.load_data()` is the guide's line; the test runs
-this file with it returning tests/guides/_data.py's generated arrays (12000 train, 2000 test).
+this file with it returning tests/guides/_data.py's generated arrays (11000 train, 1000 test).
 """
 
 import os

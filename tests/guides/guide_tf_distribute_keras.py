@@ -22,7 +22,7 @@ Changed because stock Keras 3 needs it (plain Keras 3 without kerasdist needs th
   ~ model.optimizer.lr -> model.optimizer.learning_rate
   ~ path = 'saved_model/'; model.save(path, save_format='tf') -> path = 'my_model.keras'; model.save(path)
 Changed for this test: checkpoint_dir, the logs and the saved model go under GUIDE_WORKDIR (default ".").
-Shrunk for CI: EPOCHS 12 -> 2 (the LearningRateScheduler's decay is kept), train data 12000 -> 4096 examples.
+Shrunk for CI: EPOCHS 12 -> 2 (the LearningRateScheduler's decay is kept), train data 11000 -> 4096 examples.
 """
 
 import os

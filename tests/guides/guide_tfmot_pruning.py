@@ -20,7 +20,7 @@ kerasdist's; every line changed (the user's diff):
   ~ model_for_export = tfmot.sparsity.keras.strip_pruning(model_for_pruning) -> pruning.strip(model_for_pruning)
 Changed because stock Keras 3 needs it: InputLayer(input_shape=(28, 28)) -> InputLayer(shape=(28, 28)).
 Shrunk for CI: the baseline's epochs=4 -> 1. Data: tf.keras.datasets.mnist.load_data() is the guide's
-line; the test runs it with generated arrays (12000 train, 2000 test).
+line; the test runs it with generated arrays (11000 train, 1000 test).
 """
 
 import tempfile

@@ -17,7 +17,7 @@ kerasdist's; every line changed (the user's diff):
        TFLiteConverter with Optimize.DEFAULT would only quantize the weights of this model)
 Changed because stock Keras 3 needs it: InputLayer(input_shape=(28, 28)) -> InputLayer(shape=(28, 28)).
 Shrunk for CI: nothing. Data: mnist.load_data() is the guide's line; the test runs it with generated
-arrays (12000 train, 2000 test); evaluate_model runs the 2000 test images through the interpreter.
+arrays (11000 train, 1000 test); evaluate_model runs the 1000 test images through the interpreter.
 """
 
 import tempfile

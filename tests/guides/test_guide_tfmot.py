@@ -29,7 +29,7 @@ def test_pruning_example_reaches_80_percent_sparsity_on_2_replicas():
     assert pruned["strategy"] == "MirroredStrategy" and pruned["replicas"] == 2
     assert pruned["history"]["sparsity"][-1] == pytest.approx(0.8, abs=0.005)
     sparsity = pruning.sparsity(ns["model_for_export"])
-    assert sparsity["dense"] == pytest.approx(0.8, abs=0.001) and sparsity["conv2d"] == pytest.approx(0.8, abs=0.01)
+    assert len(sparsity) == 2 and all(v == pytest.approx(0.8, abs=0.01) for v in sparsity.values()), sparsity
     # "minimal loss in test accuracy after pruning, compared to the baseline"
     assert ns["model_for_pruning_accuracy"] > 0.5 and ns["baseline_model_accuracy"] > 0.5
     assert ns["model_for_pruning_accuracy"] >= ns["baseline_model_accuracy"] - 0.05
