@@ -7,7 +7,7 @@ import os
 import pytest
 
 from tests.guides._harness import read_fits
-from tests.helpers import PYTHON, ROOT, child_env, run
+from tests.helpers import PYTHON, ROOT, child_env, processes_with, run
 
 pytestmark = [pytest.mark.slow]
 
@@ -19,6 +19,7 @@ GUIDE = os.path.join(ROOT, "tests", "guides", "guide_parameter_server.py")
 def test_model_fit_part_trains_on_the_in_process_cluster(tmp_path):
     work = tmp_path / "work"
     run([PYTHON, HARNESS, str(tmp_path), GUIDE], timeout=240, env=child_env(GUIDE_WORKDIR=work))
+    assert not processes_with(str(tmp_path)), "the coordinator (and its in-process servers) outlived the run"
     (process,) = read_fits(tmp_path)
     (fit,) = process["fits"]
     print("parameter-server tutorial:", fit)
