@@ -103,15 +103,13 @@ def _setup():
     import os
     import warnings
 
-    from ._keras_internals import CHECKED_KERAS_VERSIONS, keras_version_checked
+    from ._keras_internals import SUPPORTED_KERAS, installed_keras_version, keras_version_checked
     from .import_hooks import when_imported
 
     if not keras_version_checked():
-        import importlib.metadata
-
-        warnings.warn(f"kerasdist {__version__} was checked against Keras {', '.join(CHECKED_KERAS_VERSIONS)}.x, "
-                      f"but Keras {importlib.metadata.version('keras')} is installed: training under a strategy "
-                      "may break. Install a checked Keras (pip install 'keras>=3.15,<3.16').", stacklevel=3)
+        warnings.warn(f"kerasdist {__version__} was checked against {SUPPORTED_KERAS}, but Keras "
+                      f"{installed_keras_version()} is installed: compiling under a strategy raises an error "
+                      "if a private piece kerasdist needs has moved, and training may break.", stacklevel=3)
     count = _cpu_replicas_from_env()
     if count is not None:
         when_imported("tensorflow", lambda tf: split_cpu(count))

@@ -1,6 +1,8 @@
 """Fails loudly when a Keras release changes the private attributes kerasdist relies on.
 
-Everything checked here is used only in kerasdist/_keras_internals/.
+Everything checked here is used only in kerasdist/_keras_internals/. Where each piece lives per Keras
+version is kerasdist/_keras_internals/versions.py: one test per piece and Keras line below (the rows of
+the Keras this runs under run, the others skip); the behaviour kerasdist needs from them follows.
 """
 
 import keras
@@ -8,13 +10,113 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from kerasdist import KerasdistError
 from kerasdist import _keras_internals as internals
+from kerasdist._keras_internals import versions
 
 
 def test_running_keras_is_a_checked_version():
     assert internals.keras_version_checked(), (
         f"Keras {keras.__version__} is not among {internals.CHECKED_KERAS_VERSIONS}: re-check every private "
         "attribute in kerasdist/_keras_internals/ against it, run this file, then add the version.")
+    assert versions.keras_line() is not None, (
+        f"Keras {keras.__version__} is on no line of versions.KERAS_LINES: add a column for it to the tables")
+
+
+def test_checked_versions_name_lines_and_exact_nightlies():
+    assert versions.keras_version_checked("3.15.1") and versions.keras_version_checked("3.16.0.dev2026102704")
+    assert not versions.keras_version_checked("3.16.0") and not versions.keras_version_checked("3.16.0.dev2026110100")
+    assert versions.keras_line("3.15.1") == "3.15" and versions.keras_line("3.16.0.dev2026110100") == "3.16.0.dev"
+    assert versions.keras_line("3.16.0") is None and versions.keras_line("3.1.5") is None
+
+
+def test_every_piece_has_a_location_on_every_keras_line():
+    for name, piece in versions.PIECES.items():
+        assert set(piece.where) == set(versions.KERAS_LINES), name
+        assert piece.needed_by in ("tf", "multiworker", "central_storage", "horovod", "jax"), name
+    for name, where in versions.INSTANCE_ATTRIBUTES.items():
+        assert set(where) == set(versions.KERAS_LINES), name
+
+
+def _on_this_keras(line):
+    if versions.keras_line() != line:
+        pytest.skip(f"a Keras {line} row; this is Keras {keras.__version__}")
+
+
+@pytest.mark.parametrize("name,line", [(n, line) for n, p in versions.PIECES.items() for line in p.where])
+def test_piece_is_where_the_table_says(name, line):
+    """The row's own location, not a fallback: a Keras that moved the piece fails here, naming it."""
+    _on_this_keras(line)
+    location = versions.PIECES[name].where[line]
+    found = versions._resolve(location)
+    assert found is not None, f"Keras {keras.__version__} has no {location}: update versions.PIECES[{name!r}]"
+    assert callable(getattr(*found)), location
+
+
+def _weight_decayed_optimizer():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="dense")])
+    optimizer = keras.optimizers.AdamW(weight_decay=0.1)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("line", list(versions.INSTANCE_ATTRIBUTES["optimizer_weight_decay_by_key"]))
+def test_optimizer_weight_decay_dict_is_keyed_like_its_variable_index(line):
+    _on_this_keras(line)
+    name = versions.INSTANCE_ATTRIBUTES["optimizer_weight_decay_by_key"][line]
+    model, optimizer = _weight_decayed_optimizer()
+    kernel, bias = model.trainable_variables
+    assert optimizer._use_weight_decay(kernel) and not optimizer._use_weight_decay(bias)
+    assert getattr(optimizer, name) == {optimizer._var_key(kernel): True, optimizer._var_key(bias): False}
+
+
+def test_moving_a_built_optimizer_keeps_which_variables_get_weight_decay():
+    """Keras 3.16 reads a dict keyed by the backing variable's id in _use_weight_decay (a KeyError once
+    the variable moved, had it not been re-keyed)."""
+    model, optimizer = _weight_decayed_optimizer()
+    internals.move_to_strategy(model, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), optimizer)
+    kernel, bias = model.trainable_variables
+    assert optimizer._use_weight_decay(kernel) and not optimizer._use_weight_decay(bias)
+
+
+def test_an_unchecked_keras_finds_moved_pieces_at_any_known_location(monkeypatch):
+    monkeypatch.setattr(versions, "_keras_version", lambda: "3.99.0")
+    assert versions.missing() == []
+    assert versions.locate("tf_variable") in keras.Variable.__mro__
+
+
+def test_a_keras_lacking_a_piece_is_one_error_at_compile_naming_the_version(monkeypatch):
+    monkeypatch.setattr(versions, "_keras_version", lambda: "3.99.0")
+    gone = versions.Piece("Variable._initialize", "tf", {line: "keras.src.gone:Variable._initialize"
+                                                         for line in versions.KERAS_LINES})
+    monkeypatch.setitem(versions.PIECES, "tf_variable_initialize", gone)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(KerasdistError) as caught:
+        model.compile(optimizer="sgd", loss="mse", distribute="mirrored")
+    message = str(caught.value)
+    assert "Keras 3.99.0" in message and "keras>=3.15,<3.16" in message and "tf_variable_initialize" in message
+    assert "keras.src.gone:Variable._initialize" in message
+
+
+def test_multiworker_fixes_patch_nothing_on_a_keras_lacking_a_piece(monkeypatch):
+    """At ``import kerasdist`` in a worker: no error there (compile raises it), and Keras left as it is."""
+    installed = bool(internals._multiworker_patches)
+    internals.uninstall_multiworker_fit_fixes()
+    try:
+        monkeypatch.setattr(versions, "_keras_version", lambda: "3.99.0")
+        monkeypatch.setitem(versions.PIECES, "tf_reduce_per_replica", versions.Piece(
+            "reduce", "multiworker", {line: "keras.src.gone:reduce" for line in versions.KERAS_LINES}))
+        trainer, build = versions.owner_of("tf_trainer_build")
+        original = getattr(trainer, build)
+        assert internals.install_multiworker_fit_fixes() is False
+        assert getattr(trainer, build) is original and not internals._multiworker_patches
+        with pytest.raises(KerasdistError, match="3.99.0.*tf_reduce_per_replica"):
+            versions.require(*versions.pieces_needed_by("multiworker"))
+    finally:
+        monkeypatch.undo()
+        if installed:
+            internals.install_multiworker_fit_fixes()
 
 
 def _model():
@@ -81,15 +183,16 @@ def test_flatten_metrics_in_order_matches_evaluate():
 # -- multi-worker (used by plugins/multiworker.py) ---------------------------------------
 
 def test_multiworker_fit_fixes_replace_and_restore_keras_functions():
-    from keras.src.backend.tensorflow import trainer as tf_trainer
+    trainer, _ = versions.owner_of("tf_trainer_build")
+    tf_trainer, _ = versions.owner_of("tf_reduce_per_replica")  # the trainer's module
+    assert trainer in keras.Model.__mro__
 
     installed = bool(internals._multiworker_patches)
     internals.uninstall_multiworker_fit_fixes()
     try:
-        original_build, original_reduce = (tf_trainer.TensorFlowTrainer._maybe_symbolic_build,
-                                           tf_trainer.reduce_per_replica)
-        internals.install_multiworker_fit_fixes()
-        assert tf_trainer.TensorFlowTrainer._maybe_symbolic_build is not original_build
+        original_build, original_reduce = trainer._maybe_symbolic_build, tf_trainer.reduce_per_replica
+        assert internals.install_multiworker_fit_fixes() is True
+        assert trainer._maybe_symbolic_build is not original_build
         assert tf_trainer.reduce_per_replica is not original_reduce
         # Off a multi-worker strategy the patched reduce is Keras's own.
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
@@ -100,7 +203,7 @@ def test_multiworker_fit_fixes_replace_and_restore_keras_functions():
                                    original_reduce(values, strategy, "mean").numpy())
         assert not internals.is_multiworker_strategy(strategy)
         internals.uninstall_multiworker_fit_fixes()
-        assert tf_trainer.TensorFlowTrainer._maybe_symbolic_build is original_build
+        assert trainer._maybe_symbolic_build is original_build
         assert tf_trainer.reduce_per_replica is original_reduce
     finally:
         if installed:
@@ -251,13 +354,12 @@ def test_log_summer_replaces_the_per_log_reduce_for_float_scalars():
 
 def test_fit_still_builds_through_maybe_symbolic_build_and_scales_the_loss_with_the_optimizer():
     """weight_replicas_by_batch_share replaces Trainer._maybe_symbolic_build and relies on train_step
-    calling compute_loss, then optimizer.scale_loss (Keras 3.15)."""
+    calling compute_loss, then optimizer.scale_loss (Keras 3.15, 3.16)."""
     import inspect
 
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    assert "self._maybe_symbolic_build(iterator=epoch_iterator)" in inspect.getsource(tf_trainer.TensorFlowTrainer.fit)
-    step = inspect.getsource(tf_trainer.TensorFlowTrainer.train_step)
+    trainer, _ = versions.owner_of("tf_trainer_build")
+    assert "self._maybe_symbolic_build(iterator=epoch_iterator)" in inspect.getsource(trainer.fit)
+    step = inspect.getsource(trainer.train_step)
     assert step.index("self._compute_loss(") < step.index("self._loss_tracker.update_state(") \
         < step.index("self.optimizer.scale_loss(loss)")
 
@@ -361,9 +463,10 @@ def test_keras_metric_updates_are_assign_of_the_sum_and_summed_once_when_patched
     backend's Variable class so that each replica's increment counts once."""
     import inspect
 
-    from keras.src.backend.tensorflow.core import Variable
-
     from kerasdist._keras_internals import central
+
+    Variable = versions.locate("tf_variable")
+    assert Variable in keras.Variable.__mro__  # keras.Variable is the TF backend's class or a subclass
 
     assert "self.assign(self + value)" in inspect.getsource(keras.src.backend.common.variables.Variable.assign_add)
     installed_before = bool(central._keras_variable_patches)  # by a cached central_storage strategy

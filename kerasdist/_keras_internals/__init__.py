@@ -10,29 +10,18 @@ private attributes and ``Variable._initialize``. Everything private lives here;
 This package is that one module, in parts: strategies, multi-worker and parameter-server training here;
 what a training step and its variables need (uneven batches, gradient accumulation, synchronized batch
 statistics, JAX layouts) in ``training.py``; replica writes to CentralStorageStrategy's variables in
-``central.py``.
+``central.py``. Where each private piece lives on each Keras version is in ``versions.py``: a piece the
+installed Keras lacks is one KerasdistError when a model is compiled.
 """
 
 import contextlib
 
-#: Keras releases these internals were read and tested against.
-CHECKED_KERAS_VERSIONS = ("3.15",)
+from . import versions
+from .versions import (CHECKED_KERAS_VERSIONS, SUPPORTED_KERAS, installed_keras_version,  # noqa: F401
+                       keras_version_checked)
 
 _MODEL_STRATEGY_ATTR = "_distribute_strategy"
 _OPTIMIZER_STRATEGY_ATTR = "_distribution_strategy"
-
-
-def keras_version_checked(version=None):
-    """True when the installed Keras (read from its metadata, not imported) is one these internals
-    were checked against; True when Keras is not installed at all."""
-    if version is None:
-        import importlib.metadata
-
-        try:
-            version = importlib.metadata.version("keras")
-        except importlib.metadata.PackageNotFoundError:
-            return True
-    return any(version == v or version.startswith(v + ".") for v in CHECKED_KERAS_VERSIONS)
 
 
 def bound_strategy(model):
@@ -96,9 +85,11 @@ def _belongs_to(tf_variable, strategy):
 def move_to_strategy(model, strategy, optimizer=None):
     """Move ``model`` (weights, non-trainable state, seed generators, compiled
     metrics) and ``optimizer`` (built or not, trained or not) under ``strategy``,
-    values preserved, and bind both to it."""
+    values preserved, and bind both to it. Raises a KerasdistError first when this Keras lacks a private
+    piece that training under ``strategy`` needs (called by every ``compile`` under a tf.distribute strategy)."""
     from ..plugin_tools import unique_variables
 
+    versions.require(*versions.pieces_needed_by(*_piece_users(strategy)))
     optimizers = _optimizer_chain(optimizer)
     old_keys = {id(o): _trainable_keys(o) for o in optimizers}
     variables = _all_model_variables(model)
@@ -109,6 +100,18 @@ def move_to_strategy(model, strategy, optimizer=None):
     for opt in optimizers:
         setattr(opt, _OPTIMIZER_STRATEGY_ATTR, strategy)
         _rekey_optimizer(opt, old_keys[id(opt)])
+
+
+def _piece_users(strategy):
+    """Who needs private pieces when training under ``strategy`` (``versions.Piece.needed_by``)."""
+    import tensorflow as tf
+
+    users = ["tf"]
+    if is_multiworker_strategy(strategy):
+        users.append("multiworker")
+    if isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
+        users.append("central_storage")
+    return users
 
 
 def _optimizer_chain(optimizer):
@@ -125,7 +128,8 @@ def _trainable_keys(optimizer):
 
 def _rekey_optimizer(optimizer, old_keys):
     """A built optimizer indexes its variables by the backing tf.Variable's id,
-    which moving changes: rebuild that index (and the weight-decay exclusions)."""
+    which moving changes: rebuild that index, the weight-decay exclusions and the per-variable
+    weight-decay dict (``versions.INSTANCE_ATTRIBUTES["optimizer_weight_decay_by_key"]``)."""
     if not getattr(optimizer, "built", False):
         return
     new_keys = _trainable_keys(optimizer)
@@ -134,7 +138,10 @@ def _rekey_optimizer(optimizer, old_keys):
     excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
     if excluded:
         optimizer._exclude_from_weight_decay = {renamed.get(k, k) for k in excluded}
-    optimizer._exclude_from_weight_decay_cache = {}
+    by_key = versions.instance_attribute("optimizer_weight_decay_by_key")
+    decays = getattr(optimizer, by_key, None)
+    if decays is not None:
+        setattr(optimizer, by_key, {renamed.get(k, k): decay for k, decay in decays.items()})
 
 
 def _all_model_variables(model):
@@ -151,6 +158,7 @@ def _metric_variables(model):
 def flatten_metrics_in_order(model, logs):
     """What ``evaluate()`` returns without ``return_dict=True``, made from its ``logs`` dict:
     the values in metric order, or the one value (``Trainer._flatten_metrics_in_order``)."""
+    versions.require("trainer_flatten_metrics")
     return model._flatten_metrics_in_order(logs)
 
 
@@ -175,15 +183,22 @@ def is_multiworker_strategy(strategy):
 
 
 def install_multiworker_fit_fixes():
-    """Make Keras 3's TF trainer work under a multi-worker strategy (idempotent)."""
+    """Make Keras 3's TF trainer work under a multi-worker strategy (idempotent); True once installed.
+
+    Runs when a worker joins its cluster, at ``import kerasdist``: on a Keras that lacks a piece it
+    replaces (``versions.PIECES``) it changes nothing and returns False, and compiling under the
+    multi-worker strategy raises the KerasdistError naming that piece."""
     if _multiworker_patches:
-        return
+        return True
+    if versions.missing("tf_trainer_build", "tf_reduce_per_replica"):
+        return False
     import tensorflow as tf
     from keras import tree
-    from keras.src.backend.tensorflow import trainer as tf_trainer
 
-    original_build = tf_trainer.TensorFlowTrainer._maybe_symbolic_build
-    original_reduce = tf_trainer.reduce_per_replica
+    trainer, build_name = versions.owner_of("tf_trainer_build")
+    trainer_module, reduce_name = versions.owner_of("tf_reduce_per_replica")
+    original_build = getattr(trainer, build_name)
+    original_reduce = getattr(trainer_module, reduce_name)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
@@ -203,10 +218,11 @@ def install_multiworker_fit_fixes():
             return _mean_over_workers(values, strategy)
         return original_reduce(values, strategy, reduction)
 
-    _multiworker_patches["build"] = original_build
-    _multiworker_patches["reduce"] = original_reduce
-    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
-    tf_trainer.reduce_per_replica = reduce_per_replica
+    _multiworker_patches["build"] = (trainer, build_name, original_build)
+    _multiworker_patches["reduce"] = (trainer_module, reduce_name, original_reduce)
+    setattr(trainer, build_name, _maybe_symbolic_build)
+    setattr(trainer_module, reduce_name, reduce_per_replica)
+    return True
 
 
 def _mean_over_workers(values, strategy):
@@ -323,12 +339,10 @@ _GRADIENT_ALL_REDUCE_ATTR = "_all_reduce_sum_gradients"
 
 def uninstall_multiworker_fit_fixes():
     """Restore Keras's own functions (tests)."""
-    if not _multiworker_patches:
-        return
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    tf_trainer.TensorFlowTrainer._maybe_symbolic_build = _multiworker_patches.pop("build")
-    tf_trainer.reduce_per_replica = _multiworker_patches.pop("reduce")
+    for key in ("build", "reduce"):
+        if key in _multiworker_patches:
+            owner, name, original = _multiworker_patches.pop(key)
+            setattr(owner, name, original)
 
 
 def tf_context_initialized():
@@ -361,14 +375,15 @@ def make_chief_aware_backup(backup_dir, write_dir, **kwargs):
     writes (and deletes at the end) ``write_dir``: non-chief workers read the
     chief's backup and write theirs to a temporary directory."""
     import keras
-    from keras.src.utils import file_utils
+
+    join = versions.locate("file_utils_join")
 
     class ChiefAwareBackupAndRestore(keras.callbacks.BackupAndRestore):
         def on_train_begin(self, logs=None):
             super().on_train_begin(logs)
             self.backup_dir = write_dir
-            self._weights_path = file_utils.join(write_dir, "latest.weights.h5")
-            self._training_metadata_path = file_utils.join(write_dir, "training_metadata.json")
+            self._weights_path = join(write_dir, "latest.weights.h5")
+            self._training_metadata_path = join(write_dir, "training_metadata.json")
             self._prev_weights_path = f"{self._weights_path}.bkp"
             self._prev_training_metadata_path = f"{self._training_metadata_path}.bkp"
 

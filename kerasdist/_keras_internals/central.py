@@ -51,14 +51,18 @@ def install_summed_metric_updates():
     that doubles the old value at every step, so logs and ``evaluate`` were wrong after the first batch.
     Every other variable takes Keras's own code. Idempotent.
 
-    Private: ``keras.src.backend.tensorflow.core.Variable`` (the TF backend's variable class, patched),
-    ``Variable._value`` (its tf.Variable) and ``tensorflow.python.distribute.ps_values.AggregatingVariable``.
+    Private: the TF backend's variable class (patched; ``versions.PIECES["tf_variable"]``: it moved in
+    Keras 3.16), ``Variable._value`` (its tf.Variable) and
+    ``tensorflow.python.distribute.ps_values.AggregatingVariable``.
     """
     if _keras_variable_patches:
         return
     import tensorflow as tf
-    from keras.src.backend.tensorflow.core import Variable
     from tensorflow.python.distribute import ps_values
+
+    from .versions import locate
+
+    Variable = locate("tf_variable")
 
     def summed(keras_update, tf_update):
         def update(self, value):
@@ -81,7 +85,9 @@ def install_summed_metric_updates():
 
 def uninstall_summed_metric_updates():
     """Restore Keras's own ``assign_add``/``assign_sub`` (tests)."""
-    from keras.src.backend.tensorflow.core import Variable
+    from .versions import locate
+
+    Variable = locate("tf_variable")
 
     for name, original in _keras_variable_patches.items():
         setattr(Variable, name, original)

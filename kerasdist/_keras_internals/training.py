@@ -11,8 +11,12 @@ def lay_out_variables(variables, layout_of):
     have a layout (built under the user's own distribution) keep it. Returns the variables moved.
 
     Private: ``Variable._layout`` (read by ``Distribution.get_variable_layout`` and by optimizers for their
-    slots) and ``JaxVariable._direct_assign`` (which distributes the value by the layout); Keras 3.15.
+    slots) and the JAX Variable's ``_direct_assign`` (which distributes the value by the layout;
+    ``versions.PIECES["jax_variable_direct_assign"]``).
     """
+    from .versions import require
+
+    require("jax_variable_direct_assign")
     moved = []
     for variable in variables:
         if getattr(variable, "_layout", None) is not None:
@@ -209,6 +213,9 @@ def synchronize_batch_norm(model, sum_across=None):
     """
     import keras
 
+    from .versions import require
+
+    require("layer_flatten_layers", *(["batch_norm_moments"] if sum_across is not None else []))
     changed = 0
     for layer in model._flatten_layers(include_self=False, recursive=True):
         if not isinstance(layer, keras.layers.BatchNormalization):
