@@ -54,9 +54,9 @@ def _make_compile(original_compile):
     def compile(self, *args, distribute=None, **kwargs):
         if distribute is None:
             distribute = _saving.pending_plan(self)  # compile_from_config restoring a saved distribute=
-        if distribute is None:
-            self.__dict__.pop("_kerasdist_session", None)  # a plain re-compile is plain Keras again
-            return original_compile(self, *args, **kwargs)
+        if distribute is None:  # a plain re-compile is plain Keras again
+            previous = self.__dict__.pop("_kerasdist_session", None)
+            return _session.plain_recompile(self, original_compile, args, kwargs, previous)
         return _session.distributed_compile(self, original_compile, args, kwargs, distribute)
 
     signature = inspect.signature(original_compile)

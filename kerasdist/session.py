@@ -191,6 +191,25 @@ def _bind(function, model, args, kwargs):
     return arguments
 
 
+def plain_recompile(model, original_compile, args, kwargs, previous_session):
+    """compile() without distribute= on a model kerasdist compiled (or load_model restored) under a
+    tf.distribute strategy: kerasdist steps aside, and the model keeps that strategy as Keras keeps the
+    strategy of a model built in a scope; an optimizer made outside it is moved under it, as Keras would
+    have made it there (else Keras fails inside fit with "Mixing different tf.distribute.Strategy objects")."""
+    strategy = internals.bound_strategy(model)
+    if previous_session is None or strategy is None or not is_tf_strategy(previous_session.strategy):
+        return original_compile(model, *args, **kwargs)
+    import keras
+
+    compile_kwargs = _bind(original_compile, model, args, kwargs)
+    with strategy.scope():
+        optimizer = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
+    internals.move_to_strategy(model, strategy, optimizer)
+    compile_kwargs["optimizer"] = optimizer
+    with strategy.scope():
+        return original_compile(model, **compile_kwargs)
+
+
 def distributed_compile(model, original_compile, args, kwargs, distribute):
     """compile(distribute=...): resolve the plan, move the model, compile under the strategy."""
     import keras

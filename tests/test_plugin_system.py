@@ -274,6 +274,18 @@ def test_plain_recompile_drops_kerasdist_from_the_model():
     model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
 
 
+def test_plain_recompile_with_an_optimizer_made_outside_the_strategy_trains_and_evaluates():
+    # TensorFlow's "Distributed training with Keras" tutorial: a model that kerasdist distributed (here
+    # through load_model restoring distribute=) compiled again plainly with an optimizer instance.
+    model = _model()
+    model.compile(loss="mse", optimizer="sgd", distribute="mirrored")
+    model.compile(loss="mse", optimizer=keras.optimizers.Adam(), metrics=["mae"])
+    assert kerasdist.strategy_of(model) is None
+    assert model.optimizer._distribution_strategy is model.distribute_strategy
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), verbose=0)
+    assert np.isfinite(model.evaluate(np.ones((8, 4)), np.ones((8, 1)), verbose=0)).all()
+
+
 def test_availability_check_imports_nothing(fresh_system, tmp_path, monkeypatch):
     package = tmp_path / "kerasdist_probe_pkg"
     package.mkdir()
