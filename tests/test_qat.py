@@ -377,6 +377,11 @@ def test_conv1d_einsum_dense_and_softmax_train_and_export_to_litert_int8_and_onn
     model.fit(x, y, batch_size=16, epochs=2, verbose=0)
     plans = [layer.quantization_plan for layer in model.layers if hasattr(layer, "quantization_plan")]
     assert [p.per_channel for p in plans] == [False, False, False] and plans[-1].pre_activation
+    # Random labels leave near-tied softmax outputs (top-two gaps down to ~1e-4), whose argmax an int8 rounding
+    # may flip on one Keras/CPU and not on another; an argmax can flip only where the gap is <= 2 max|diff|.
+    top2 = np.sort(model.predict(x, verbose=0), axis=-1)[:, -2:]
+    gap = top2[:, 1] - top2[:, 0]
     for format, path in (("litert-int8", "m.tflite"), ("onnx", "m.onnx")):
         result = kerasdist.export(model, str(tmp_path / path), format=format, verify_with=x)
-        assert result.argmax_agreement >= 0.98, result
+        assert result.max_abs_diff <= 0.02, result  # a few int8 steps of a softmax output (1/256 each)
+        assert result.argmax_agreement >= np.mean(gap > 2 * result.max_abs_diff), (result, np.sort(gap)[:8])
