@@ -68,17 +68,23 @@ def observe(records):
         undo()
 
 
-def run_in_this_process(guide, records):
-    """Run ``guide`` as ``__main__`` here (under ``observe``); returns its globals and the exception it
-    raised, or None, so that what ran before a failure can still be checked."""
+def run_in_this_process(guide, records, environ=None):
+    """Run ``guide`` as ``__main__`` here (under ``observe``, with ``environ`` set for the run only);
+    returns its globals and the exception it raised, or None, so that what ran before a failure can
+    still be checked."""
     namespace = {"__name__": "__main__", "__file__": guide}
     with open(guide) as f:
         code = compile(f.read(), guide, "exec")
-    with observe(records):
-        try:
+    saved = {name: os.environ.get(name) for name in environ or {}}
+    os.environ.update(environ or {})
+    try:
+        with observe(records):
             exec(code, namespace)
-        except Exception as error:  # noqa: BLE001 (handed to the test that checks that part)
-            return namespace, error
+    except Exception as error:  # noqa: BLE001 (handed to the test that checks that part)
+        return namespace, error
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
     return namespace, None
 
 
@@ -134,3 +140,11 @@ def read_fits(outdir):
 
 if __name__ == "__main__":
     sys.exit(run_guide(sys.argv[1], sys.argv[2], sys.argv[3:]))
+
+
+def assert_trained_on_replicas(fit, accuracy_key, replicas=2):
+    """One recorded ``fit`` ran under MirroredStrategy on ``replicas``, its loss fell and it learned (chance: 0.1)."""
+    print("fit:", fit["history"])
+    assert fit["strategy"] == "MirroredStrategy" and fit["replicas"] == replicas
+    assert fit["history"]["loss"][1] < fit["history"]["loss"][0]
+    assert fit["history"][accuracy_key][-1] > 0.5
