@@ -1,8 +1,8 @@
 """Multi-worker scaling and overhead, measured in one run on this machine.
 
-    python bench/bench_multiworker.py [--steps 12] [--warmup 3] [--rounds 3] [--full]
+    python bench/bench_multiworker.py [--batch 4096] [--steps 12] [--warmup 3] [--rounds 3] [--full]
 
-Model: a 512-1024-10 MLP, SGD, per-worker batch 4096, each process limited to
+Model: a 512-1024-10 MLP, SGD, per-worker batch 4096 (``--batch``), each process limited to
 1 intra-op and 1 inter-op thread. Prints, for each configuration, the step
 time and examples/s (global examples per second), then the ratios:
 
@@ -23,7 +23,7 @@ import tempfile
 import time
 
 HERE = os.path.abspath(__file__)
-PER_WORKER_BATCH = 4096
+PER_WORKER_BATCH = int(os.environ.get("BENCH_PER_WORKER_BATCH", "4096"))  # the driver's --batch, in every process
 
 
 def free_ports(count):
@@ -166,7 +166,8 @@ def run_config(kind, workers, env_extra, args):
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": index}})
         procs.append(subprocess.Popen(
-            [sys.executable, HERE, "--role", kind, "--steps", str(args.steps), "--warmup", str(args.warmup)],
+            [sys.executable, HERE, "--role", kind, "--steps", str(args.steps), "--warmup", str(args.warmup),
+             "--batch", str(args.batch)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
     outputs = []
     try:
@@ -201,6 +202,18 @@ FULL_CONFIGS = [
 ]
 
 
+def cpu_description():
+    """Model name, the vector flags that pick kernels (AVX2, AVX-512, VNNI), and the cores: results depend on them."""
+    try:
+        info = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return f"{os.cpu_count()} CPUs (no /proc/cpuinfo)"
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    vector = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile"))
+    return f"{model}; {' '.join(vector) or 'no AVX2'}; {os.cpu_count()} CPUs"
+
+
 def median(values):
     values = sorted(values)
     middle = len(values) // 2
@@ -208,6 +221,7 @@ def median(values):
 
 
 def main():
+    global PER_WORKER_BATCH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default="driver", choices=("driver", "keras", "custom"))
     parser.add_argument("--steps", type=int, default=12)
@@ -215,7 +229,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are reported")
     parser.add_argument("--full", action="store_true", help="also gradient packing with TF's collectives")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--batch", type=int, default=PER_WORKER_BATCH, help="per-worker batch size")
     args = parser.parse_args()
+    PER_WORKER_BATCH = args.batch
+    os.environ["BENCH_PER_WORKER_BATCH"] = str(args.batch)
     if args.role == "keras":
         return worker_keras(args)
     if args.role == "custom":
@@ -223,6 +240,7 @@ def main():
 
     configs = CONFIGS + (FULL_CONFIGS if args.full else [])
     steps = {name: [] for name, *_ in configs}
+    print(f"CPU: {cpu_description()}")
     print(f"per-worker batch {PER_WORKER_BATCH}, 512-1024-10 MLP, SGD, 1 intra/1 inter-op thread per process; "
           f"{args.steps} timed steps after {args.warmup} warm-up; {args.rounds} round(s); {os.cpu_count()} CPUs; "
           f"load average at start {os.getloadavg()[0]:.2f}")
@@ -238,9 +256,11 @@ def main():
         step = median(steps[name])
         print(f"  {name:<55} step {step * 1000:8.1f} ms  {PER_WORKER_BATCH * workers / step:9.0f} examples/s  "
               f"scaling {workers * base / step:.2f}x  ({ceiling / step:.0%} of the ceiling's pace)")
-    ours, raw = median(steps[configs[1][0]]), median(steps[configs[2][0]])
+    ceiling, ours, raw = (median(steps[name]) for name, *_ in configs[1:4])
     print(f"\nstep time, hand-written MWMS loop / distribute='multiworker' (default): {raw / ours:.3f} "
           "(>= 1 means kerasdist is as fast or faster)")
+    print(f"step time, ceiling (2 processes, no communication) / distribute='multiworker': {ceiling / ours:.3f} "
+          "(1 = communication costs nothing)")
 
 
 if __name__ == "__main__":
