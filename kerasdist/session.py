@@ -199,21 +199,24 @@ def plain_recompile(model, original_compile, args, kwargs, previous_session):
     strategy = internals.bound_strategy(model)
     if previous_session is None or strategy is None or not is_tf_strategy(previous_session.strategy):
         return original_compile(model, *args, **kwargs)
-    import keras
-
     compile_kwargs = _bind(original_compile, model, args, kwargs)
-    with strategy.scope():
-        optimizer = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
-    internals.move_to_strategy(model, strategy, optimizer)
-    compile_kwargs["optimizer"] = optimizer
+    internals.move_to_strategy(model, strategy, _optimizer_under(strategy, compile_kwargs))
     with strategy.scope():
         return original_compile(model, **compile_kwargs)
 
 
-def distributed_compile(model, original_compile, args, kwargs, distribute):
-    """compile(distribute=...): resolve the plan, move the model, compile under the strategy."""
+def _optimizer_under(strategy, compile_kwargs):
+    """compile's optimizer (a name, a config or an instance) made under ``strategy``'s scope, as Keras makes
+    it inside a scope; put back into ``compile_kwargs`` and returned."""
     import keras
 
+    with strategy.scope():
+        compile_kwargs["optimizer"] = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
+    return compile_kwargs["optimizer"]
+
+
+def distributed_compile(model, original_compile, args, kwargs, distribute):
+    """compile(distribute=...): resolve the plan, move the model, compile under the strategy."""
     system = get_system()
     cluster = system.detect_cluster()
     plan = resolve_plan(distribute, system, cluster)
@@ -226,11 +229,9 @@ def distributed_compile(model, original_compile, args, kwargs, distribute):
     compile_kwargs = _bind(original_compile, model, args, kwargs)
     if tf_strategy:
         _check_keras_limits(strategy, compile_kwargs)
-    with strategy.scope():
-        optimizer = keras.optimizers.get(compile_kwargs.get("optimizer", "rmsprop"))
+    optimizer = _optimizer_under(strategy, compile_kwargs)
     if tf_strategy:  # other backends' plugins place the variables in kerasdist_prepare_model
         internals.move_to_strategy(model, strategy, optimizer)
-    compile_kwargs["optimizer"] = optimizer
 
     session = Session(plan, strategy, cluster, system)
     with strategy.scope():
