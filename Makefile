@@ -18,6 +18,9 @@ UV_VERSION := 0.13.9
 # $${KERASDIST_CACHE:-~/.cache/kerasdist}/wheels, so only the first set-up builds it (~4-6 min).
 # HOROVOD=0 skips it (the horovod plugin is then listed as unavailable and its tests skip).
 HOROVOD ?= 1
+# The CPU-only torch build is not on PyPI; this machine kind keeps it in /opt/wheels (pip's find-links).
+TORCH_WHEELS ?= /opt/wheels
+FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS))
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test bench bench-horovod venv lock check-lock test-latest test-keras-nightly clean
@@ -26,7 +29,7 @@ $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) .ci/build_horovod.sh .ci/check_
 	bash .ci/system_packages.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) .ci/check_lock.py --platform-only $(LOCK_PYTHON)
-	$(PIP) install --require-hashes --no-deps -r $(LOCK)
+	$(PIP) install --require-hashes --no-deps $(FIND_LINKS) -r $(LOCK)
 	$(PIP) install --require-hashes --no-deps -r $(NO_DEPS_LOCK)
 	$(PIP) install --no-deps --no-build-isolation -e .
 	if [ "$(HOROVOD)" = 1 ]; then bash .ci/build_horovod.sh $(PY); fi
@@ -48,8 +51,8 @@ check-lock: $(STAMP)
 # Refresh the lock on purpose: the newest versions that pyproject.toml's ranges allow today.
 lock:
 	test -x $(UV) || { $(PYTHON) -m venv $(TOOLS) && $(TOOLS)/bin/pip -q install 'uv==$(UV_VERSION)'; }
-	$(UV) pip compile pyproject.toml requirements/setup-extras.in --extra cpu --extra jax --extra test \
-	    --constraint requirements/constraints.in \
+	$(UV) pip compile pyproject.toml requirements/setup-extras.in --extra cpu --extra jax --extra test --extra torch \
+	    --constraint requirements/constraints.in $(FIND_LINKS) \
 	    --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) --generate-hashes \
 	    --custom-compile-command 'make lock' --upgrade -o $(LOCK)
 	$(UV) pip compile requirements/no-deps.in --no-deps \
@@ -67,7 +70,7 @@ test-keras-nightly:
 fresh-venv-test:
 	rm -rf $(VENV_X) && $(PYTHON) -m venv $(VENV_X)
 	$(VENV_X)/bin/python -m pip -q install --upgrade pip
-	$(VENV_X)/bin/python -m pip -q install --upgrade --upgrade-strategy eager -e '.[cpu,jax,test]'
+	$(VENV_X)/bin/python -m pip -q install --upgrade --upgrade-strategy eager $(FIND_LINKS) -e '.[cpu,jax,test,torch]' 'torch==2.13.0+cpu'
 	$(VENV_X)/bin/python -m pip -q install --no-deps -r requirements/no-deps.in
 	if [ -n "$(KERAS_PKG)" ]; then $(VENV_X)/bin/python -m pip -q uninstall -y keras && \
 	    $(VENV_X)/bin/python -m pip -q install --pre --no-deps $(KERAS_PKG); fi
