@@ -4,6 +4,7 @@
     model.compile(loss=..., optimizer=..., distribute="mirrored")
 """
 
+from . import process_state  # first: submodules import it before __getattr__ below exists
 from .cluster import ClusterInfo, LaunchWorker, cluster_hint_variables
 from .devices import cpu_replicas_from_env as _cpu_replicas_from_env, split_cpu
 from .errors import (BackendError, ClusterConfigError, DuplicatePluginError, KerasdistError,

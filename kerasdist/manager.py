@@ -15,7 +15,7 @@ import warnings
 
 import pluggy
 
-from . import hookspecs
+from . import hookspecs, process_state
 from .cluster import ClusterInfo
 from .errors import DuplicatePluginError, KerasdistError, PluginValidationError, PluginWarning, did_you_mean
 from .registry import PluginFailure, Registry
@@ -200,19 +200,20 @@ def _trace_after(outcome, hook_name, hook_impls, kwargs):
     sys.stderr.write(f"kerasdist trace: {hook_name} returned {result}\n")
 
 
-_system = None
+def _holder():
+    return process_state.slot("kerasdist.plugin_system", lambda: [None])
 
 
 def get_system():
-    """The process-wide plugin system, built on first use."""
-    global _system
-    if _system is None:
-        _system = PluginSystem()
-    return _system
+    """The process-wide plugin system, built on first use (and after ``process_state.reset()``)."""
+    holder = _holder()
+    if holder[0] is None:
+        holder[0] = PluginSystem()
+    return holder[0]
 
 
 def reset_system(system=None):
-    """Replace the process-wide plugin system (tests; after installing a plugin)."""
-    global _system
-    _system = system
+    """Replace the process-wide plugin system (tests; after installing a plugin); None: build a new one
+    on next use."""
+    _holder()[0] = system
     return system

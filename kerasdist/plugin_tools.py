@@ -24,15 +24,20 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replica
                                route_gradient_all_reduce, state_unlocked,
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
                                variable_layout, weight_replicas_by_batch_share)
+from . import process_state
+from ._keras_internals.torch import keras_wraps_ddp, synchronize_torch_batch_norm
 from .backend import keras_backend
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
+from .variables import unique_variables
 
 __all__ = [
     # values and the environment
     "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
     "is_dataset", "arrays_as_dataset", "split_batches", "unique_variables", "local_replica_devices",
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
+    # process-wide state (one home, one reset): process_state.slot / on_reset / reset
+    "process_state",
     # Keras / TensorFlow adapters
     "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
     "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",
@@ -42,6 +47,8 @@ __all__ = [
     "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
     "assign_state_from_first_replica", "update_loss_scale_once_per_step", "replicas_train_as_one_device",
+    # the PyTorch backend
+    "keras_wraps_ddp", "synchronize_torch_batch_norm",
 ]
 
 
@@ -226,16 +233,6 @@ def _slice(value, start, stop):
     if isinstance(value, (list, tuple)):
         return type(value)(v[start:stop] for v in value)
     return value[start:stop]
-
-
-def unique_variables(variables):
-    """``variables`` in order, each object once (Keras variables are unhashable by value)."""
-    seen, result = set(), []
-    for variable in variables:
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            result.append(variable)
-    return result
 
 
 def may_split_unevenly(call_kwargs, replicas):

@@ -7,16 +7,20 @@ os.environ.setdefault("KERASDIST_CPU_REPLICAS", "2")
 import pytest  # noqa: E402
 
 import kerasdist  # noqa: E402,F401  (splits the CPU before any TF op)
+from kerasdist import process_state  # noqa: E402
 from kerasdist.manager import PluginSystem, get_system, reset_system  # noqa: E402
 
 
 @pytest.fixture
 def fresh_system(monkeypatch):
-    """A plugin system without entry points, installed process-wide for the test only."""
+    """A plugin system without entry points, installed process-wide for the test only: the process state
+    (strategy cache, plugin caches) is reset before and after, so nothing the test's plugins made leaks."""
     previous = get_system()
+    process_state.reset()
     system = PluginSystem(environ={}, load_entrypoints=False)
     reset_system(system)
     yield system
+    process_state.reset()
     reset_system(previous)
 
 

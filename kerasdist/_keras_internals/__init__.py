@@ -87,7 +87,7 @@ def move_to_strategy(model, strategy, optimizer=None):
     metrics) and ``optimizer`` (built or not, trained or not) under ``strategy``,
     values preserved, and bind both to it. Raises a KerasdistError first when this Keras lacks a private
     piece that training under ``strategy`` needs (called by every ``compile`` under a tf.distribute strategy)."""
-    from ..plugin_tools import unique_variables
+    from ..variables import unique_variables
 
     versions.require(*versions.pieces_needed_by(*_piece_users(strategy)))
     optimizers = _optimizer_chain(optimizer)
@@ -145,7 +145,7 @@ def _rekey_optimizer(optimizer, old_keys):
 
 
 def _all_model_variables(model):
-    from ..plugin_tools import unique_variables
+    from ..variables import unique_variables
 
     return unique_variables(list(model.variables) + list(_metric_variables(model)))
 
