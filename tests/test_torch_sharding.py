@@ -1,0 +1,83 @@
+"""distribute="fsdp" on PyTorch (issue 20, Must show 5): on 2 processes a model built before compile holds half
+of its weights and Adam state per process (<= 0.55x of data parallel) and trains as one process does.
+
+Each run is 2 real torch processes with torchrun's variables (the pytest process has TensorFlow's backend).
+"""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from helpers import PYTHON, ROOT, child_env, finish, free_port, run, start
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (pip install torch)")]
+
+WORKER = os.path.join(ROOT, "tests", "workers", "torch_fsdp_train.py")
+
+
+def torch_env(**extra):
+    return dict(KERAS_BACKEND="torch", OMP_NUM_THREADS=1, TF_CPP_MIN_LOG_LEVEL=3, **extra)
+
+
+def launch_two(out, word, *flags):
+    port = free_port()
+    procs = [start([PYTHON, WORKER, out, word, *flags], **torch_env(
+        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        for rank in range(2)]
+    return finish(procs, timeout=240)
+
+
+def load(out, rank=0):
+    return np.load(f"{out}-rank{rank}.npz")
+
+
+def weights(saved):
+    return [saved[f"w{i}"] for i in range(sum(name.startswith("w") for name in saved.files))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("fsdp")
+    plain = str(directory / "plain")
+    run([PYTHON, WORKER, plain, "none"], timeout=180, env=child_env(**torch_env()))
+    results = {"plain": plain}
+    for word in ("fsdp", "data_parallel"):
+        out = str(directory / word)
+        for code, output in launch_two(out, word):
+            assert code == 0, f"{word} exited {code}:\n{output[-4000:]}"
+        results[word] = out
+    return results
+
+
+@pytest.mark.timeout(600)
+def test_fsdp_holds_at_most_055x_of_data_parallel_bytes_per_process(runs):
+    data_parallel = int(load(runs["data_parallel"])["bytes"])
+    for rank in range(2):
+        sharded = int(load(runs["fsdp"], rank)["bytes"])
+        print(f"rank {rank}: fsdp {sharded} bytes, data_parallel {data_parallel} bytes: {sharded / data_parallel:.3f}x")
+        assert sharded <= 0.55 * data_parallel
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("reference", ["plain", "data_parallel"])
+def test_fsdp_trains_as_the_reference_within_1e_5(runs, reference):
+    expected = load(runs[reference])
+    for rank in range(2):
+        got = load(runs["fsdp"], rank)
+        difference = max(float(np.abs(a - b).max()) for a, b in zip(weights(expected), weights(got)))
+        print(f"rank {rank}: max |w_fsdp - w_{reference}| = {difference:.3g}")
+        assert difference <= 1e-5
+        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["evaluation"], expected["evaluation"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["prediction"], expected["prediction"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_on_a_model_without_weights_names_the_fix(tmp_path):
+    results = launch_two(str(tmp_path / "unbuilt"), "fsdp", "--unbuilt")
+    for code, output in results:
+        assert code != 0
+        assert "fsdp: model" in output and "has no weights yet" in output and "keras.Input" in output

@@ -1,0 +1,59 @@
+"""Trains one small model with ``distribute=`` WORD on PyTorch (run it as 1 process or under torchrun's
+variables) and writes, per rank, OUT-rank{r}.npz: the full weights, the losses, evaluate and predict
+results, and the bytes of weights + optimizer state this process holds.
+
+    KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt]
+"""
+
+import os
+import sys
+
+import kerasdist  # noqa: I001
+
+import keras
+import numpy as np
+import torch
+
+
+def local_bytes(variables):
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for variable in variables:
+        value = variable.value
+        value = value.to_local() if isinstance(value, DTensor) else value
+        total += value.numel() * value.element_size()
+    return total
+
+
+def full(variable):
+    from torch.distributed.tensor import DTensor
+
+    value = variable.value
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().numpy()
+
+
+def main(out, word, unbuilt=False):
+    torch.set_num_threads(1)
+    keras.utils.set_random_seed(0)
+    if unbuilt:
+        model = keras.Sequential([keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(6)])
+    else:
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="tanh"),
+                                  keras.layers.Dense(6)])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(65, 16)).astype("float32")  # 4 batches of 16 and one of 1
+    y = np.tanh(x[:, :6] + rng.normal(0.0, 0.1, size=(65, 6))).astype("float32")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
+                  distribute=None if word == "none" else word)
+    history = model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    evaluation = model.evaluate(x, y, batch_size=16, verbose=0)
+    prediction = np.asarray(model.predict(x[:20], batch_size=8, verbose=0))
+    rank = int(os.environ.get("RANK", "0"))
+    np.savez(f"{out}-rank{rank}.npz", loss=np.array(history.history["loss"]), evaluation=np.array(evaluation),
+             prediction=prediction, bytes=np.array(local_bytes(model.weights) + local_bytes(model.optimizer.variables)),
+             **{f"w{i}": full(v) for i, v in enumerate(model.weights)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], "--unbuilt" in sys.argv)
