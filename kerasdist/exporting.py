@@ -1,9 +1,35 @@
-"""``kerasdist.export``: post-training conversion through a registered exporter, and what it returns."""
+"""``kerasdist.export``, and the public toolkit every exporter shares (the built-in LiteRT, ONNX and
+TensorRT exporters use nothing else, so a third-party exporter can do what they do).
 
+- :func:`export` / :class:`ExportResult`: post-training conversion through a registered format.
+- Checks before converting: :func:`require` (an optional module, or the pip extra that installs it),
+  :func:`check_exportable` (the path, the model, the example inputs), :func:`need_representative_data`.
+- Data: :func:`calibration_batches` (representative data as one-example batches); verification:
+  :func:`compare_outputs` (the written file against the Keras model, an :class:`ExportResult`).
+- Models that learned their own int8 ranges (quantization-aware training, e.g. ``kerasdist.quantize()``):
+  :func:`quantization_aware_layers`, :func:`quantization_recipe`, :func:`check_ranges_learned`, and
+  :func:`tracing` / :func:`trace_mode`, the switch under which such layers trace for a converter.
+
+The quantization protocol: a layer that simulates int8 quantization in training carries
+``kerasdist_quantization_recipe`` (a string naming the runtime whose scheme it learned, e.g. "litert" or
+"tensorrt") and ``kerasdist_quantization_ranges()`` (``{name: (min, max)}``, NaN until trained), and reads
+:func:`trace_mode` in ``call``: "train" (fake quantization from variables), "float" (no quantization),
+"litert" or "onnx" (constant ranges, the ops that converter turns into int8).
+"""
+
+import contextlib
 import dataclasses
+import importlib
+import math
+import os
+import threading
 from typing import Optional
 
-from .errors import PluginUnavailableError
+from .errors import KerasdistError, PluginUnavailableError
+
+__all__ = ["ExportResult", "export", "require", "check_exportable", "need_representative_data", "single_array",
+           "compare_outputs", "calibration_batches", "quantization_aware_layers", "quantization_recipe",
+           "check_ranges_learned", "trace_mode", "tracing", "TRACE_MODES"]
 
 
 @dataclasses.dataclass
@@ -34,3 +60,198 @@ def export(model, filepath, format, **options):
     if reason:
         raise PluginUnavailableError(f"Export format {entry.name!r} cannot run here: {reason}.")
     return entry.factory(model, filepath, **{**entry.defaults, **options})
+
+
+# -- checks before converting ------------------------------------------------------------------
+
+def require(module, extra, purpose):
+    """Import ``module`` or raise PluginUnavailableError with the pip extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise PluginUnavailableError(
+            f"{purpose} needs the Python module {module!r} ({type(exc).__name__}: {exc}): "
+            f"pip install 'kerasdist[{extra}]'") from exc
+
+
+def check_exportable(model, format, filepath=None, verify_with=None, representative_data=None):
+    """Errors that would otherwise surface deep inside a converter, or after the file was written: a
+    path that is a folder or not writable, examples that do not fit the model, an unbuilt model, layers
+    quantized with Keras's ``model.quantize()`` (converters cannot read them)."""
+    from .plugin_tools import all_layers
+
+    if filepath is not None:
+        _check_writable(filepath, format)
+    if verify_with is not None:
+        _check_inputs_match(model, verify_with, f"export(format={format!r}, verify_with=...)")
+    if representative_data is not None:
+        _check_inputs_match(model, _first_sample(representative_data),
+                            f"export(format={format!r}, representative_data=...)")
+    if not model.built:
+        raise KerasdistError(
+            f"export(format={format!r}): model {model.name!r} is not built; call it on data, give it a "
+            "keras.Input, or call model.build(input_shape) first.")
+    quantized = sorted({layer.name for layer in all_layers(model)
+                        if getattr(getattr(layer, "dtype_policy", None), "quantization_mode", None)})
+    if quantized:
+        raise KerasdistError(
+            f"export(format={format!r}): layers {quantized} were quantized with model.quantize(); "
+            "converters cannot read Keras-quantized kernels. Export the float model: the format "
+            "quantizes it.")
+
+
+def _check_writable(filepath, format):
+    if os.path.isdir(filepath):
+        raise KerasdistError(f"export(format={format!r}): {os.fspath(filepath)} is a folder; give "
+                             "the path of the file to write, e.g. os.path.join(folder, 'model.bin').")
+    folder = os.path.dirname(os.path.abspath(os.fspath(filepath)))
+    if not os.path.isdir(folder):
+        raise KerasdistError(f"export(format={format!r}): the folder {folder} does not exist; create it first.")
+    if not os.access(folder, os.W_OK):
+        raise KerasdistError(f"export(format={format!r}): cannot write to {folder} (read-only); "
+                             "choose a writable folder.")
+
+
+def need_representative_data(format, representative_data, what="the int8 ranges", fix=""):
+    """Raise when a format that calibrates ``what`` got no ``representative_data=``."""
+    if representative_data is None:
+        raise KerasdistError(
+            f"export(format={format!r}) needs representative_data=: about 100 typical inputs (an array, a "
+            f"tf.data.Dataset or a generator function) to calibrate {what}.{' ' + fix if fix else ''}")
+
+
+def _first_sample(representative_data):
+    """The data as given (arrays), or its first element (a generator function or a tf.data.Dataset)."""
+    if callable(representative_data):
+        return next(iter(representative_data()), [])
+    if hasattr(representative_data, "element_spec"):
+        element = next(iter(representative_data.take(1)), [])
+        return element[0] if isinstance(element, tuple) else element
+    return representative_data
+
+
+def _check_inputs_match(model, value, what):
+    """Arrays that are empty or do not fit the model's inputs are refused before converting."""
+    import keras
+    import numpy as np
+
+    arrays = [np.asarray(a) for a in keras.tree.flatten(value)]
+    if not arrays or any(a.ndim == 0 or len(a) == 0 for a in arrays):
+        raise KerasdistError(f"{what}: no examples given (empty input); give at least one example "
+                             "with the model's input shape.")
+    expected = [tuple(t.shape)[1:] for t in getattr(model, "inputs", None) or []]
+    if expected and (len(expected) != len(arrays) or any(
+            len(e) != a.ndim - 1 or any(d is not None and d != s for d, s in zip(e, a.shape[1:]))
+            for e, a in zip(expected, arrays))):
+        got = [tuple(a.shape) for a in arrays]
+        raise KerasdistError(f"{what}: shape {got if len(got) > 1 else got[0]} does not fit the model's "
+                             f"input {expected if len(expected) > 1 else expected[0]} (batch first); give "
+                             "arrays of the model's input shape.")
+
+
+# -- data and verification ----------------------------------------------------------------------
+
+def single_array(value, what):
+    """``value`` as one numpy array (verification supports single-input, single-output models)."""
+    import keras
+    import numpy as np
+
+    flat = keras.tree.flatten(value)
+    if len(flat) != 1:
+        raise KerasdistError(
+            f"{what}: got {len(flat)} arrays; verification compares single-input, single-output models.")
+    return np.asarray(keras.ops.convert_to_numpy(flat[0]))
+
+
+def compare_outputs(model, inputs, run_exported, path, format, tolerance=None, fix=""):
+    """Run the Keras model and the exported file (``run_exported(x) -> outputs``) on ``inputs``; an
+    :class:`ExportResult` with ``max_abs_diff`` and (for class scores) ``argmax_agreement``.
+
+    With ``tolerance``, a max |diff| above ``tolerance * max|y|`` (y: the Keras output) removes the
+    file and raises KerasdistError naming the figures, the bound and ``fix``."""
+    import numpy as np
+
+    x = single_array(inputs, f"export(format={format!r}, verify_with=...)")
+    expected = single_array(model(x, training=False), "the model's output")
+    got = np.asarray(run_exported(x), dtype=np.float32).reshape(expected.shape)
+    agreement = None
+    if expected.ndim >= 2 and expected.shape[-1] > 1:
+        agreement = float(np.mean(np.argmax(expected, -1) == np.argmax(got, -1)))
+    result = ExportResult(path, format, os.path.getsize(path), float(np.max(np.abs(expected - got))),
+                          agreement, len(x))
+    scale = float(np.max(np.abs(expected)))
+    if tolerance is not None and not result.max_abs_diff <= tolerance * scale:  # NaN fails too
+        os.remove(path)
+        argmax = "" if agreement is None else f", argmax agreement {agreement:.3f}"
+        raise KerasdistError(
+            f"export(format={format!r}, verify_with=...): the written file is far from the Keras model on "
+            f"{len(x)} examples: max |diff| {result.max_abs_diff:.3g}{argmax}; the bound is {tolerance * scale:.3g} "
+            f"(verify_tolerance={tolerance} x the output's max |y| {scale:.3g}). The file {path} was removed. "
+            f"{fix}".rstrip())
+    return result
+
+
+def calibration_batches(representative_data, steps):
+    """Yield lists of input arrays (one example each) from arrays, a tf.data.Dataset or a callable."""
+    import keras
+    import numpy as np
+
+    from .plugin_tools import is_dataset
+
+    if callable(representative_data):
+        yield from representative_data()
+        return
+    if is_dataset(representative_data):
+        for element in representative_data.take(steps):
+            x = element[0] if isinstance(element, tuple) else element
+            yield [np.asarray(a, dtype=np.float32) for a in keras.tree.flatten(x)]
+        return
+    arrays = [np.asarray(a, dtype=np.float32) for a in keras.tree.flatten(representative_data)]
+    for i in range(min(steps, len(arrays[0]))):
+        yield [a[i:i + 1] for a in arrays]
+
+
+# -- models that learned their own int8 ranges -------------------------------------------------
+
+TRACE_MODES = ("train", "float", "litert", "onnx")
+_trace = threading.local()
+
+
+def trace_mode():
+    """How quantization-aware layers trace now: one of TRACE_MODES ("train" outside :func:`tracing`)."""
+    return getattr(_trace, "mode", "train")
+
+
+@contextlib.contextmanager
+def tracing(mode):
+    """Trace (convert) the model in ``mode`` inside the block: "float" leaves the fake quantization out,
+    "litert" / "onnx" make the learned ranges constants in the ops that converter reads as int8."""
+    if mode not in TRACE_MODES:
+        raise KerasdistError(f"tracing(mode={mode!r}): choose one of {', '.join(map(repr, TRACE_MODES))}.")
+    previous, _trace.mode = trace_mode(), mode
+    try:
+        yield
+    finally:
+        _trace.mode = previous
+
+
+def quantization_aware_layers(model):
+    """The layers of ``model`` (nested ones too) that learned int8 ranges (see the module docstring)."""
+    from .plugin_tools import all_layers
+
+    return [layer for layer in all_layers(model) if callable(getattr(layer, "kerasdist_quantization_ranges", None))]
+
+
+def quantization_recipe(model):
+    """The recipe ("litert", "tensorrt", ...) a quantization-aware model learned, or None for a float model."""
+    return next((layer.kerasdist_quantization_recipe for layer in quantization_aware_layers(model)), None)
+
+
+def check_ranges_learned(model, format):
+    """Export needs learned ranges: a layer that never saw a training batch has none (NaN)."""
+    untrained = sorted(layer.name for layer in quantization_aware_layers(model)
+                       if any(math.isnan(v) for pair in layer.kerasdist_quantization_ranges().values() for v in pair))
+    if untrained:
+        raise KerasdistError(
+            f"export(format={format!r}): the quantization ranges of layers {untrained} were never learned (the model "
+            "was compiled with quantize() but not trained); run fit first, at least one step.")

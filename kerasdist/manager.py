@@ -32,11 +32,17 @@ _REGISTRATION_HOOKS = (
 HOOK_NAMES = tuple(sorted(name for name in dir(hookspecs) if name.startswith("kerasdist_")))
 
 
+#: Built-in plugins renamed for what they write; their old names in the two variables still select them
+#: (for one release): "quantization" was the LiteRT exporter, "tensorrt" held the ONNX exporter too.
+RENAMED_PLUGINS = {"quantization": ("litert",), "tensorrt": ("onnx",)}
+
+
 def _name_list(environ, var):
     value = environ.get(var)
     if value is None:
         return None
-    return {n.strip().lower() for n in value.split(",") if n.strip()}
+    names = {n.strip().lower() for n in value.split(",") if n.strip()}
+    return names | {new for old in names for new in RENAMED_PLUGINS.get(old, ())}
 
 
 def _is_own(entry_point):

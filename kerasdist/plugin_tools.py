@@ -45,6 +45,7 @@ __all__ = [
     "parameter_server_strategy", "symbolic_build",
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
     "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
+    "layers_by_name",
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
     "assign_state_from_first_replica", "update_loss_scale_once_per_step", "replicas_train_as_one_device",
     # the PyTorch backend
@@ -250,6 +251,17 @@ def may_split_unevenly(call_kwargs, replicas):
         return True
     size, batch = int(first.shape[0]), int(call_kwargs.get("batch_size") or 32)
     return batch % replicas != 0 or (size % batch) % replicas != 0
+
+
+def layers_by_name(model, names, where):
+    """The layers of ``model`` (nested ones too) called ``names``, in that order; a KerasdistError
+    (``"{where}: layers=[...] names [...] that the model does not have; its layers are [...]"``) otherwise."""
+    by_name = {layer.name: layer for layer in all_layers(model)}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise KerasdistError(f"{where}: layers={list(names)!r} names {unknown} that the model does not have; its "
+                             f"layers are {sorted(by_name)}.")
+    return [by_name[name] for name in names]
 
 
 def first_array(value):

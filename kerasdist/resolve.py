@@ -1,7 +1,7 @@
 """Turns a ``distribute=`` value into a checked :class:`~kerasdist.specs.Plan`."""
 
 from .errors import BackendError, KerasdistError, PluginUnavailableError
-from .specs import Plan, PluginSpec, StrategyInstance
+from .specs import OptimizationSpec, Plan, PluginSpec, StrategyInstance
 
 ACCEPTED = ("a plugin name such as 'mirrored' (see `kerasdist plugins`), 'auto', a tf.distribute.Strategy "
             "(or a keras.distribution.Distribution on JAX), "
@@ -9,11 +9,53 @@ ACCEPTED = ("a plugin name such as 'mirrored' (see `kerasdist plugins`), 'auto',
 
 
 def resolve_plan(distribute, system, cluster):
-    """Resolve, then check every spec can run here; raises a KerasdistError otherwise."""
-    plan = Plan.combine(_specs(distribute, system, cluster))
+    """Resolve, add what the specs require, then check every spec can run here; raises a KerasdistError otherwise."""
+    plan = with_required(Plan.combine(_specs(distribute, system, cluster)), system)
     for spec in plan.specs:
         check_available(spec, system)
     return plan
+
+
+def with_required(plan, system):
+    """``plan`` with the optimizations its specs ask for (:meth:`OptimizationSpec.required_optimizations`),
+    each added right after the spec that asks (and what it asks for in turn)."""
+    specs = list(plan.specs)
+    index = 0
+    while index < len(specs):
+        asking, at = specs[index], index + 1
+        for name, options in (asking.required_optimizations() if isinstance(asking, OptimizationSpec) else ()):
+            required = _required_spec(asking, name, options, system)
+            present = next((spec for spec in specs if spec.name == required.name), None)
+            if present is None:
+                specs.insert(at, required)
+                at += 1
+            elif present != required:
+                raise KerasdistError(
+                    f"distribute= gives {present!r}, but {_asker(asking)} needs {required!r} itself; leave out "
+                    f"{present.name!r} (or the option of {asking.name!r} that needs it).")
+        index += 1
+    return Plan.combine(specs)
+
+
+def _asker(spec):
+    return f"{spec.name!r} ({spec!r})"
+
+
+def _required_spec(asking, name, options, system):
+    """The spec ``asking`` needs, made through the registry; a clear error when no loaded plugin can make it."""
+    entry = system.registry.find(name)
+    if entry is None or entry.kind != "optimization":
+        missing = [f"plugin {f.name!r} ({f.reason})" for f in system.registry.failures]
+        raise PluginUnavailableError(
+            f"{_asker(asking)} needs the optimization {name!r}, which no loaded plugin registers"
+            + (f"; not loaded here: {'; '.join(missing)}" if missing else "")
+            + f". Enable the plugin that provides {name!r}, or leave out the option of {asking.name!r} that needs it.")
+    reason = entry.unavailable_reason()
+    if reason:
+        raise PluginUnavailableError(
+            f"{_asker(asking)} needs the optimization {entry.name!r} of plugin {entry.plugin!r}, which cannot run "
+            f"here: {reason}. Enable it, or leave out the option of {asking.name!r} that needs it.")
+    return entry.create(**options)
 
 
 def _specs(value, system, cluster):
@@ -62,8 +104,7 @@ def entry_for(spec, system):
     """The registry entry a spec was created from, or None for unregistered specs."""
     if isinstance(spec, StrategyInstance):
         return None
-    entry = system.registry.entries.get(spec.name)
-    return entry if entry is not None and isinstance(spec, entry.factory) else None
+    return system.registry.entry_of(spec)
 
 
 def check_available(spec, system):

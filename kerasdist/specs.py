@@ -37,6 +37,14 @@ class OptimizationSpec(PluginSpec):
 
     kind = "optimization"
 
+    def required_optimizations(self):
+        """The other optimizations this one needs, as ``(name, options)`` pairs, e.g.
+        ``[("prune", {"pattern": "2:4"})]``. The plan adds each right after this spec, made through the
+        registry like ``kerasdist.spec(name, **options)``, so a plugin asks for another's work this way
+        instead of importing it, and KERASDIST_DISABLE_PLUGINS / KERASDIST_LOAD_PLUGINS hold. A spec of
+        that name already in the plan is kept if it is equal, else the plan is refused. Default: none."""
+        return ()
+
 
 @dataclasses.dataclass(eq=False)
 class StrategyInstance(StrategySpec):

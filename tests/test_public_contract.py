@@ -4,10 +4,13 @@
   ``obj._private`` attributes on objects kerasdist does not own) appears only in
   kerasdist/_keras_internals/.
 - Built-in plugins import only kerasdist's public API, as a third-party plugin must.
+- No built-in plugin imports another (one asks for another's work through the plan or the registry),
+  except modules that plugin declares public in its entry module's ``KERASDIST_PUBLIC_MODULES``.
 """
 
 import ast
 import pathlib
+import tomllib
 
 import pytest
 
@@ -17,7 +20,7 @@ INTERNALS = pathlib.Path(ROOT, "kerasdist", "_keras_internals")  # the one modul
 PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.compiler", "tensorflow.core", "tensorflow.tsl",
                    "tf_keras.src")
 #: What a plugin may import from kerasdist.
-PUBLIC_KERASDIST = ("kerasdist", "kerasdist.plugin_tools")
+PUBLIC_KERASDIST = ("kerasdist", "kerasdist.plugin_tools", "kerasdist.exporting")
 #: Private attributes kerasdist sets on objects itself (its own state, not Keras's).
 OWN_PRIVATE_ATTRIBUTES = {"_kerasdist_session", "_kerasdist_name", "_kerasdist_horovod"}
 #: Public functions with a leading underscore (the standard library's, documented as public).
@@ -121,3 +124,113 @@ def test_internals_record_the_keras_versions_they_were_checked_against():
     from kerasdist import plugin_tools
 
     assert plugin_tools.CHECKED_KERAS_VERSIONS
+
+
+# -- plugins do not import each other ------------------------------------------------------------
+
+PLUGIN_PACKAGE = "kerasdist_plugins"
+PLUGIN_DIR = pathlib.Path(ROOT, "plugins")
+#: Files under plugins/ that are no plugin's: package roots and the deprecated aliases of renamed plugins.
+NOT_PLUGINS = {"__init__.py", "export/__init__.py", "quantization.py", "tensorrt.py"}
+
+
+def built_in_plugins():
+    """``{module: entry-point name}`` of the built-in plugins (pyproject.toml's ``kerasdist`` entry points)."""
+    config = tomllib.loads(pathlib.Path(ROOT, "pyproject.toml").read_text())
+    return {value: name for name, value in config["project"]["entry-points"]["kerasdist"].items()}
+
+
+def module_name(path):
+    parts = list(pathlib.Path(path).relative_to(PLUGIN_DIR).with_suffix("").parts)
+    return ".".join([PLUGIN_PACKAGE] + (parts[:-1] if parts[-1] == "__init__" else parts))
+
+
+def owner(module, plugins):
+    """The plugin module ``module`` belongs to (itself or a package holding it), or None."""
+    return max((p for p in plugins if module == p or module.startswith(p + ".")), key=len, default=None)
+
+
+def plugin_imports(source, module, is_package):
+    """``[(line, module)]``: the ``kerasdist_plugins`` modules ``source`` imports, relative imports resolved."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                package = package[:len(package) - (node.level - 1)]
+                base = ".".join(package + ([node.module] if node.module else []))
+            # `from pkg import name` may import the module pkg.name: count both
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return [(line, name) for line, name in found if name == PLUGIN_PACKAGE or name.startswith(PLUGIN_PACKAGE + ".")]
+
+
+def declared_public(plugin):
+    """The modules a plugin lets others import: ``KERASDIST_PUBLIC_MODULES`` in its entry module."""
+    relative = pathlib.Path(*plugin.split(".")[1:])
+    path = PLUGIN_DIR / relative / "__init__.py" if (PLUGIN_DIR / relative).is_dir() else PLUGIN_DIR / f"{relative}.py"
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KERASDIST_PUBLIC_MODULES" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def cross_plugin_imports(source, module, is_package, plugins, public=declared_public):
+    """``[(line, module)]``: modules of other plugins (or of none) that the plugin module ``module`` imports."""
+    mine = owner(module, plugins)
+    bad = []
+    for line, name in plugin_imports(source, module, is_package):
+        theirs = owner(name, plugins)
+        if theirs == mine or (theirs is None and any(p.startswith(name + ".") for p in plugins)):
+            continue  # its own modules; a package that only holds plugins (`from kerasdist_plugins import x`: x counts)
+        if theirs is None or not any(name == m or name.startswith(m + ".") for m in public(theirs)):
+            bad.append((line, name))
+    return bad
+
+
+def _plugin_files():
+    return [p for p in _sources("plugins") if str(p.relative_to(PLUGIN_DIR)) not in NOT_PLUGINS]
+
+
+@pytest.mark.parametrize("path", _plugin_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_built_in_plugins_do_not_import_each_other(path):
+    plugins = built_in_plugins()
+    module = module_name(path)
+    assert owner(module, plugins), (f"{path.relative_to(ROOT)} belongs to no plugin (no entry point in pyproject.toml "
+                                    "names it or a package holding it); make it part of one, or list it in NOT_PLUGINS.")
+    bad = cross_plugin_imports(path.read_text(), module, path.name == "__init__.py", plugins)
+    assert not bad, (f"{path.relative_to(ROOT)} (plugin {plugins[owner(module, plugins)]!r}) imports {bad}, which "
+                     "belong to another plugin: ask for its work through the plan (OptimizationSpec."
+                     "required_optimizations), the registry (kerasdist.export(format=...)) or kerasdist.exporting / "
+                     "kerasdist.plugin_tools, or have that plugin declare the module in KERASDIST_PUBLIC_MODULES.")
+
+
+def test_the_cross_plugin_check_catches_planted_imports():
+    plugins = {"kerasdist_plugins.qat": "qat", "kerasdist_plugins.pruning": "pruning",
+               "kerasdist_plugins.export.onnx": "onnx", "kerasdist_plugins.export.tensorrt": "tensorrt"}
+    planted = ("from kerasdist_plugins import pruning\n"
+               "import kerasdist_plugins.pruning.masks\n"
+               "from ..pruning import Prune\n"
+               "from ..export.onnx import write_onnx\n"
+               "from ..quantization import run_litert\n"
+               "from . import graph\n"
+               "from .layers import make_quantization_aware\n"
+               "from kerasdist_plugins.qat import quantizers\n")
+    bad = [name for _, name in cross_plugin_imports(planted, "kerasdist_plugins.qat.recipes", False, plugins,
+                                                    public=lambda plugin: set())]
+    assert bad == ["kerasdist_plugins.pruning", "kerasdist_plugins.pruning.masks", "kerasdist_plugins.pruning",
+                   "kerasdist_plugins.pruning.Prune", "kerasdist_plugins.export.onnx",
+                   "kerasdist_plugins.export.onnx.write_onnx", "kerasdist_plugins.quantization",
+                   "kerasdist_plugins.quantization.run_litert"]
+    declared = cross_plugin_imports("from ..export.onnx import write_onnx\n", "kerasdist_plugins.export.tensorrt",
+                                    False, plugins, public=lambda plugin: {"kerasdist_plugins.export.onnx"})
+    assert declared == []  # a module its plugin declares public may be imported
+
+
+def test_the_built_in_plugins_are_the_entry_points():
+    plugins = built_in_plugins()
+    assert {"kerasdist_plugins.export.litert", "kerasdist_plugins.export.onnx", "kerasdist_plugins.export.tensorrt",
+            "kerasdist_plugins.qat", "kerasdist_plugins.pruning"} <= set(plugins)
+    assert not any(owner(module_name(PLUGIN_DIR / name), plugins) for name in NOT_PLUGINS)

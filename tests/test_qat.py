@@ -285,6 +285,66 @@ def test_tensorrt_recipe_writes_symmetric_int8_qdq_and_two_of_four_sparsity(tmp_
         kerasdist.export(model, str(tmp_path / "m.engine"), format="tensorrt", precision="int8")
 
 
+# -- what tensorrt(sparsity="2:4") asks of the plan ---------------------------------------------------
+
+TWO_OF_FOUR = {"target_sparsity": 0.5, "pattern": "2:4", "schedule": "constant"}
+
+
+def _plan_names(distribute):
+    from kerasdist.manager import get_system
+    from kerasdist.resolve import resolve_plan
+
+    system = get_system()
+    return resolve_plan(distribute, system, system.detect_cluster())
+
+
+def test_tensorrt_sparsity_asks_the_plan_for_the_prune_plugin():
+    plan = _plan_names(["mirrored", kerasdist.tensorrt(sparsity="2:4"), kerasdist.quantize(layers=["x"])])
+    assert [spec.name for spec in plan.specs] == ["mirrored", "tensorrt", "prune", "quantize"]
+    assert plan.optimizations[1] == kerasdist.prune(**TWO_OF_FOUR)
+    assert [spec.name for spec in _plan_names(kerasdist.tensorrt()).specs] == ["tensorrt"]
+    same = _plan_names([kerasdist.tensorrt(sparsity="2:4"), kerasdist.prune(**TWO_OF_FOUR)])  # a saved plan's shape
+    assert [spec.name for spec in same.specs] == ["tensorrt", "prune"]
+    with pytest.raises(kerasdist.KerasdistError, match=r"gives Prune\(target_sparsity=0.8.*but 'tensorrt' "
+                                                       r"\(TensorRT\(sparsity='2:4'.*needs Prune\(target_sparsity=0.5"):
+        _plan_names([kerasdist.tensorrt(sparsity="2:4"), kerasdist.prune(target_sparsity=0.8)])
+
+
+def test_a_model_compiled_with_tensorrt_sparsity_saves_and_loads_its_plan_once(tmp_path):
+    from kerasdist.session import session_of
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="fc")])
+    model.compile(loss="mse", optimizer="sgd", distribute=kerasdist.tensorrt(sparsity="2:4"))
+    model.save(tmp_path / "trt.keras")
+    loaded = keras.saving.load_model(tmp_path / "trt.keras")
+    assert [spec.name for spec in session_of(loaded).plan.specs] == ["tensorrt", "prune"]
+
+
+@pytest.mark.parametrize("variable, value, why", [
+    ("KERASDIST_DISABLE_PLUGINS", "pruning", r"no loaded plugin registers; not loaded here: .*plugin 'pruning' "
+                                             r"\(disabled by KERASDIST_DISABLE_PLUGINS"),
+    ("KERASDIST_LOAD_PLUGINS", "mirrored,qat", r"no loaded plugin registers; not loaded here: .*plugin 'pruning' "
+                                               r"\(disabled by KERASDIST_DISABLE_PLUGINS / KERASDIST_LOAD_PLUGINS"),
+    ("KERASDIST_DISABLE_PLUGINS", "prune", r"of plugin 'pruning', which cannot run here: disabled by "),
+])
+def test_tensorrt_sparsity_without_the_prune_plugin_fails_at_compile_naming_it(variable, value, why):
+    """The allow/deny lists hold: qat reaches pruning only through the plan, so without it nothing prunes."""
+    from kerasdist.manager import PluginSystem, get_system, reset_system
+
+    previous = get_system()
+    reset_system(PluginSystem(environ={variable: value}))
+    try:
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="fc")])
+        with pytest.raises(kerasdist.PluginUnavailableError, match=r"'tensorrt' \(TensorRT\(sparsity='2:4'.*\) needs "
+                                                                   r"the optimization 'prune'.*" + why):
+            model.compile(loss="mse", optimizer="sgd", distribute=kerasdist.tensorrt(sparsity="2:4"))
+        assert not qat.is_quantization_aware(model)  # refused before anything changed the model
+        model.compile(loss="mse", optimizer="sgd", distribute=kerasdist.tensorrt())
+        assert qat.is_quantization_aware(model)
+    finally:
+        reset_system(previous)
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("options, match", [
@@ -295,6 +355,12 @@ def test_tensorrt_recipe_writes_symmetric_int8_qdq_and_two_of_four_sparsity(tmp_
 def test_bad_quantize_options_name_the_value(options, match):
     with pytest.raises(kerasdist.KerasdistError, match=match):
         kerasdist.quantize(**options)
+
+
+def test_unknown_layer_names_are_named_with_the_models_layers():
+    with pytest.raises(kerasdist.KerasdistError, match=r"quantize: layers=\['nope'\] names \['nope'\] that the model "
+                                                       r"does not have; its layers are \[.*conv2d"):
+        _small_net().compile(loss="mse", optimizer="sgd", distribute=kerasdist.quantize(layers=["nope"]))
 
 
 def test_a_model_without_quantizable_layers_is_refused_at_compile():

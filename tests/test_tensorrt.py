@@ -16,7 +16,7 @@ import pytest
 
 import kerasdist
 import kerasdist.registry
-from kerasdist_plugins import tensorrt as trt_plugin
+from kerasdist_plugins.export import onnx as onnx_plugin, tensorrt as trt_plugin
 from helpers import ROOT
 from runif import run_if
 
@@ -92,11 +92,11 @@ def test_onnx_int8_auto_is_right_on_an_avx2_cpu_without_vnni(model, data, tmp_pa
     _need_qemu()
     x, expected = data[64:], model(data[64:]).numpy()
     reference = np.max(np.abs(expected))
-    monkeypatch.setattr(trt_plugin.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(trt_plugin, "cpu_flags", lambda: HASWELL_FLAGS)
+    monkeypatch.setattr(onnx_plugin.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(onnx_plugin, "cpu_flags", lambda: HASWELL_FLAGS)
     auto = kerasdist.export(model, tmp_path / "auto.onnx", format="onnx-int8", representative_data=data[:64])
     assert _zero_point_types(auto.path) == {onnx.TensorProto.UINT8}
-    emulated, native = run_on_avx2_cpu(auto.path, x, tmp_path), trt_plugin.run_onnxruntime(auto.path, x)
+    emulated, native = run_on_avx2_cpu(auto.path, x, tmp_path), onnx_plugin.run_onnxruntime(auto.path, x)
     diff, argmax = np.max(np.abs(emulated - expected)), np.mean(emulated.argmax(-1) == expected.argmax(-1))
     print(f"\nAVX2 u8u8: max|delta| {diff:.3g} (max|y| {reference:.3g}), argmax {argmax:.3f}")
     assert np.max(np.abs(emulated - native)) < 1e-5 * reference  # the AVX2 kernels compute what the native ones do
@@ -117,15 +117,15 @@ def test_onnx_int8_auto_is_right_on_an_avx2_cpu_without_vnni(model, data, tmp_pa
     ("aarch64", set(), "s8s8"),
 ])
 def test_auto_int8_scheme_reads_the_cpu_flags(machine, flags, scheme):
-    assert trt_plugin.auto_int8_scheme(machine, flags)[0] == scheme
+    assert onnx_plugin.auto_int8_scheme(machine, flags)[0] == scheme
 
 
 def test_cpu_flags_from_cpuinfo(tmp_path, monkeypatch):
     (tmp_path / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
-    assert trt_plugin.cpu_flags(str(tmp_path / "cpuinfo")) == {"fpu", "avx2", "fma"}
-    assert trt_plugin.cpu_flags(str(tmp_path / "absent")) is None
-    monkeypatch.setattr(trt_plugin, "cpu_flags", lambda: None)
-    assert trt_plugin.auto_int8_scheme("x86_64")[0] == "u8u8"  # unknown x86: the scheme exact on all of them
+    assert onnx_plugin.cpu_flags(str(tmp_path / "cpuinfo")) == {"fpu", "avx2", "fma"}
+    assert onnx_plugin.cpu_flags(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(onnx_plugin, "cpu_flags", lambda: None)
+    assert onnx_plugin.auto_int8_scheme("x86_64")[0] == "u8u8"  # unknown x86: the scheme exact on all of them
 
 
 def _scale_up_the_dense_weights(real_quantize_qdq):
@@ -146,7 +146,7 @@ def _scale_up_the_dense_weights(real_quantize_qdq):
 
 
 def test_onnx_int8_far_off_is_an_error_not_a_result(model, data, tmp_path, monkeypatch):
-    monkeypatch.setattr(trt_plugin, "quantize_qdq", _scale_up_the_dense_weights(trt_plugin.quantize_qdq))
+    monkeypatch.setattr(onnx_plugin, "quantize_qdq", _scale_up_the_dense_weights(onnx_plugin.quantize_qdq))
     with pytest.raises(kerasdist.KerasdistError, match=(
             r"far from the Keras model on 64 examples: max \|diff\| [0-9.]+, argmax agreement [0-9.]+; the bound is "
             r"[0-9.]+ \(verify_tolerance=0.1 x the output's max \|y\| 1.53\)\. The file .*q.onnx was removed\. "
@@ -173,7 +173,7 @@ def test_onnx_int8_bad_options_fail_early(model, data, tmp_path, options, messag
 @pytest.mark.parametrize("scheme", ["s8s8", "u8u8", "s8s8-7bit"])
 def test_each_int8_scheme_is_close_to_keras_here(model, data, tmp_path, scheme):
     """Each scheme is right on this CPU; "s8s8" is the one with signed int8 zero points TensorRT reads."""
-    if scheme == "s8s8" and trt_plugin.auto_int8_scheme()[0] != "s8s8":
+    if scheme == "s8s8" and onnx_plugin.auto_int8_scheme()[0] != "s8s8":
         pytest.skip("s8s8 saturates in onnxruntime on this x86 CPU without VNNI (the AVX2 test covers it)")
     result = kerasdist.export(model, tmp_path / "q.onnx", format="onnx-int8", representative_data=data[:64],
                               verify_with=data[64:], int8_scheme=scheme)

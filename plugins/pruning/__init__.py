@@ -19,20 +19,17 @@ process to Keras 2 on import):
 """
 
 import dataclasses
-import logging
-import math
 import numbers
-import warnings
-import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import kerasdist
 from kerasdist.plugin_tools import check_number
 
-from kerasdist_plugins.pruning.masks import (MaskConstraint, check_block, check_kernel_fits, magnitude_mask,  # noqa: F401
-                                             mask_for, parse_pattern)
-
-log = logging.getLogger("kerasdist.prune")
+from .masks import (MaskConstraint, check_block, check_kernel_fits, magnitude_mask, mask_for,  # noqa: F401
+                    parse_pattern)
+from .schedule import last_pruning_step, scheduled_sparsity  # noqa: F401 (public here)
+from .selection import prunable_layers
+from .state import PruningState, forget_state, make_callback, remember_state, state_of
 
 SCHEDULES = ("polynomial", "constant")
 
@@ -104,218 +101,6 @@ def _check_int(name, value, minimum):
     return check_number(value, name, "prune", minimum=minimum, integer=True)
 
 
-# -- the schedule (TFMOT's math) ------------------------------------------------
-
-def scheduled_sparsity(spec, step, end_step):
-    """The schedule's sparsity at ``step`` (TFMOT PolynomialDecay / ConstantSparsity)."""
-    if spec.schedule == "constant":
-        return spec.target_sparsity
-    progress = min(1.0, max(0.0, (step - spec.begin_step) / (end_step - spec.begin_step)))
-    return spec.target_sparsity + (spec.initial_sparsity - spec.target_sparsity) * (1.0 - progress) ** spec.power
-
-
-def last_pruning_step(spec, step, end_step):
-    """The latest step <= ``step`` at which the schedule prunes, or None (before ``begin_step``).
-
-    Pruning steps are TFMOT's (``begin_step``, then every ``frequency`` steps while
-    ``step <= end_step``) plus ``end_step`` itself, so that the target is reached there.
-    """
-    if step < spec.begin_step:
-        return None
-    if end_step is not None and step >= end_step:
-        return end_step
-    return spec.begin_step + (step - spec.begin_step) // spec.frequency * spec.frequency
-
-
-# -- which layers ---------------------------------------------------------------
-
-def _default_types():
-    from keras import layers
-
-    return (layers.Dense, layers.EinsumDense, layers.Conv1D, layers.Conv2D, layers.Conv3D,
-            layers.Conv1DTranspose, layers.Conv2DTranspose, layers.Conv3DTranspose)
-
-
-def _all_layers(model):
-    for layer in getattr(model, "layers", []):
-        yield layer
-        if hasattr(layer, "layers"):
-            yield from _all_layers(layer)
-
-
-def _has_float_kernel(layer):
-    kernel = getattr(layer, "kernel", None)
-    return kernel is not None and hasattr(kernel, "assign") and "float" in str(kernel.dtype)
-
-
-def prunable_layers(model, choice=None):
-    """The layers whose kernels ``choice`` (see :class:`Prune` ``layers``) selects in ``model``."""
-    candidates = [layer for layer in _all_layers(model) if _has_float_kernel(layer)]
-    if choice is None:
-        chosen = [layer for layer in candidates if isinstance(layer, _default_types())]
-        what = "Dense, EinsumDense or Conv layers with a float kernel"
-    elif callable(choice):
-        chosen = [layer for layer in candidates if choice(layer)]
-        what = f"layers with a float kernel accepted by layers={choice!r}"
-    else:
-        by_name = {layer.name: layer for layer in _all_layers(model)}
-        unknown = [name for name in choice if name not in by_name]
-        if unknown:
-            raise kerasdist.KerasdistError(
-                f"prune: layers={list(choice)!r} names {unknown} that the model does not have; its layers "
-                f"are {sorted(by_name)}.")
-        kernelless = [name for name in choice if not _has_float_kernel(by_name[name])]
-        if kernelless:
-            raise kerasdist.KerasdistError(
-                f"prune: layers {kernelless} have no float `kernel` to prune; name Dense/Conv-like layers.")
-        chosen = [by_name[name] for name in choice]
-        what = f"layers named {list(choice)}"
-    if not chosen:
-        types = sorted({type(layer).__name__ for layer in _all_layers(model)}) or ["none"]
-        raise kerasdist.KerasdistError(
-            f"prune: model {model.name!r} has no prunable layers (looked for {what}; its layer types are "
-            f"{', '.join(types)}). Add a Dense or Conv layer, or choose layers with prune(layers=[...]).")
-    return chosen
-
-
-def _fitting_structure(layers, spec):
-    """The layers whose kernels the pattern/block divides: a layer named in ``layers=`` that does not fit is
-    an error; one chosen by default is left dense, with a warning."""
-    fitting, skipped = [], []
-    for layer in layers:
-        try:
-            check_kernel_fits(layer, spec.n_of_m, spec.block)
-            fitting.append(layer)
-        except kerasdist.KerasdistError:
-            if spec.layers is not None and not callable(spec.layers):
-                raise
-            skipped.append(f"{layer.name} {tuple(layer.kernel.shape)}")
-    if skipped:
-        warnings.warn(f"prune: {'pattern=' + repr(spec.pattern) if spec.pattern else 'block=' + repr(spec.block)} "
-                      f"does not divide the kernels of {skipped}; they stay dense.", UserWarning, stacklevel=4)
-    if not fitting:
-        check_kernel_fits(layers[0], spec.n_of_m, spec.block)  # raises, naming the first layer
-    return fitting
-
-
-# -- per-model state --------------------------------------------------------------
-
-class PruningState:
-    """The masks of one model, their constraints, and where the schedule stands."""
-
-    def __init__(self, spec, model):
-        self.spec, self.model = spec, weakref.proxy(model)
-        self.end_step = spec.end_step
-        self.last_pruned_step = None
-        self.layers, self.masks, self.constraints = [], [], []
-        self.attached = False
-
-    def attach(self):
-        """Create the masks (under the model's strategy) and add the mask constraints."""
-        import keras
-
-        self.layers = prunable_layers(self.model, self.spec.layers)
-        if self.spec.n_of_m or self.spec.block:
-            self.layers = _fitting_structure(self.layers, self.spec)
-        with self.model.distribute_strategy.scope():
-            for layer in self.layers:
-                kernel = layer.kernel
-                mask = keras.Variable(keras.ops.ones(kernel.shape, kernel.dtype), trainable=False,
-                                      name=f"{layer.name}_prune_mask")
-                self.masks.append(mask)
-                self.constraints.append(kernel.constraint)
-                kernel.constraint = MaskConstraint(mask, kernel.constraint)
-        self.attached = True
-
-    def detach(self):
-        """Apply the masks a last time and restore each kernel's own constraint."""
-        self.apply_masks()
-        for layer, constraint in zip(self.layers, self.constraints):
-            layer.kernel.constraint = constraint
-        self.attached = False
-
-    def prune(self, sparsity):
-        """New masks at ``sparsity``; call in cross-replica context (writes every replica)."""
-        for layer, mask in zip(self.layers, self.masks):
-            mask.assign(mask_for(layer.kernel, sparsity, self.spec.n_of_m, self.spec.block))
-        self.apply_masks()
-
-    def apply_masks(self):
-        for layer, mask in zip(self.layers, self.masks):
-            layer.kernel.assign(layer.kernel * mask)
-
-    def mask_sparsity(self):
-        """Fraction of the pruned kernels' weights that the masks zero (what logs report)."""
-        from keras import ops
-
-        total = sum(math.prod(mask.shape) for mask in self.masks)
-        kept = sum(float(ops.convert_to_numpy(ops.sum(mask))) for mask in self.masks)
-        return 1.0 - kept / total if total else 0.0
-
-    def resolve_end_step(self, start_step, epochs, steps_per_epoch):
-        if self.end_step is not None or self.spec.schedule == "constant":
-            return
-        if not steps_per_epoch:
-            raise kerasdist.KerasdistError(
-                "prune: end_step=None means 'the end of this fit', but the input's size is unknown; "
-                "give prune(end_step=...) or fit(steps_per_epoch=...).")
-        self.end_step = max(start_step + epochs * steps_per_epoch, self.spec.begin_step + 1)
-        if self.spec.schedule == "polynomial" and self.end_step - self.spec.begin_step <= self.spec.frequency:
-            warnings.warn(f"prune: frequency={self.spec.frequency} steps is not shorter than the pruning period "
-                          f"(steps {self.spec.begin_step}..{self.end_step}), so the masks change only at its start "
-                          "and end: the sparsity jumps to the target at the last step. Give a smaller frequency "
-                          "for gradual pruning.", stacklevel=2)
-
-    def step_to(self, step):
-        """Prune if the schedule has a pruning step in (last pruned step, ``step``]."""
-        due = last_pruning_step(self.spec, step, self.end_step)
-        if due is None or (self.last_pruned_step is not None and due <= self.last_pruned_step):
-            return
-        target = scheduled_sparsity(self.spec, due, self.end_step)
-        self.prune(target)
-        self.last_pruned_step = due
-        log.debug("prune: step %d, sparsity %.4f", due, target)
-
-
-_states = weakref.WeakKeyDictionary()
-
-
-def state_of(model):
-    """The :class:`PruningState` of a model compiled with "prune", or None."""
-    return _states.get(model)
-
-
-def _make_callback(state, initial_epoch):
-    import keras
-    from keras import ops
-
-    class PruningCallback(keras.callbacks.Callback):
-        """Recomputes the masks at the schedule's steps and reports ``logs["sparsity"]``."""
-
-        def _step(self):
-            return int(ops.convert_to_numpy(state.model.optimizer.iterations))
-
-        def on_train_begin(self, logs=None):
-            if not state.attached:
-                state.attach()
-            state.resolve_end_step(self._step(), self.params.get("epochs", 1) - initial_epoch,
-                                   self.params.get("steps"))
-
-        def on_train_batch_begin(self, batch, logs=None):
-            state.step_to(self._step())
-
-        def on_epoch_end(self, epoch, logs=None):
-            state.step_to(self._step())  # a pruning step due at the epoch's last step, end_step included
-            if logs is not None:
-                logs["sparsity"] = state.mask_sparsity()
-
-        def on_train_end(self, logs=None):
-            state.step_to(self._step())
-            state.apply_masks()
-
-    return PruningCallback()
-
-
 # -- public helpers -----------------------------------------------------------------
 
 def sparsity(model):
@@ -333,7 +118,7 @@ def strip(model):
     The model is plain Keras afterwards (pruned weights exactly zero); later ``fit`` calls train
     every weight again. Compile with "prune" again to resume pruning. Returns the model.
     """
-    state = _states.pop(model, None)
+    state = forget_state(model)
     if state is not None and state.attached:
         state.detach()
         if getattr(model, "train_function", None) is not None:
@@ -358,7 +143,7 @@ def kerasdist_prepare_model(model, spec):
     state = PruningState(spec, model)
     if model.built:
         state.attach()  # errors (no prunable layers) surface at compile
-    _states[model] = state
+    remember_state(model, state)
 
 
 @kerasdist.hookimpl
@@ -367,4 +152,4 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
         return
     state = state_of(model)
     if state is not None:
-        call_kwargs["callbacks"].append(_make_callback(state, call_kwargs.get("initial_epoch") or 0))
+        call_kwargs["callbacks"].append(make_callback(state, call_kwargs.get("initial_epoch") or 0))

@@ -16,79 +16,19 @@ tf.distribute strategy; and kerasdist.tensorrt(): TensorRT's QAT recipe, optiona
 - TFMOT is not imported: it rejects Keras 3 models and switches the process to Keras 2.
 """
 
-import dataclasses
 import warnings
-from typing import Optional, Sequence
 
 import kerasdist
-from kerasdist.plugin_tools import check_choice, check_number
+from kerasdist.exporting import check_ranges_learned as check_trained  # noqa: F401 (its old name here)
 
-from kerasdist_plugins.qat import graph, quantizers
-
-WEIGHT_GRANULARITIES = ("per_channel", "per_tensor")
-SUPPORTED_BITS = (8,)
-
-
-def _check_common(spec, where):
-    check_number(spec.ema_decay, "ema_decay", where, minimum=0.0, maximum=1.0)
-    if spec.ema_decay in (0.0, 1.0):
-        raise kerasdist.KerasdistError(f"{where}: ema_decay={spec.ema_decay!r} is not valid; give a value strictly "
-                                       "between 0 and 1 (TFMOT's default 0.999).")
-    if isinstance(spec.layers, str):
-        spec.layers = [spec.layers]
-
-
-@dataclasses.dataclass
-class Quantize(kerasdist.OptimizationSpec):
-    """Int8 quantization-aware training for LiteRT (and ONNX Q/DQ).
-
-    :param weights: "per_channel" (symmetric scale per output channel, what LiteRT uses) or "per_tensor".
-    :param bits: 8 (the int8 runtimes' width; others are refused).
-    :param layers: None (every quantizable layer; others stay float, with a warning) or layer names.
-    :param ema_decay: decay of the moving-average activation ranges (TFMOT's 0.999).
-    """
-
-    weights: str = "per_channel"
-    bits: int = 8
-    layers: Optional[Sequence[str]] = None
-    ema_decay: float = quantizers.EMA_DECAY
-
-    def __post_init__(self):
-        check_choice(self.weights, "weights", "quantize", WEIGHT_GRANULARITIES)
-        if self.bits not in SUPPORTED_BITS or isinstance(self.bits, bool):
-            raise kerasdist.KerasdistError(
-                f"quantize: bits={self.bits!r} is not supported; LiteRT, ONNX and TensorRT run int8, so "
-                "quantization-aware training simulates bits=8.")
-        _check_common(self, "quantize")
-
-    recipe = "litert"
-
-
-@dataclasses.dataclass
-class TensorRT(kerasdist.OptimizationSpec):
-    """TensorRT's int8 QAT recipe; ``sparsity="2:4"`` adds 2:4 structured sparsity.
-
-    :param sparsity: None or "2:4".
-    :param layers: as for :class:`Quantize`.
-    :param ema_decay: as for :class:`Quantize`.
-    """
-
-    sparsity: Optional[str] = None
-    layers: Optional[Sequence[str]] = None
-    ema_decay: float = quantizers.EMA_DECAY
-
-    def __post_init__(self):
-        check_choice(self.sparsity, "sparsity", "tensorrt", ("2:4",), allow_none=True)
-        _check_common(self, "tensorrt")
-
-    recipe = "tensorrt"
+from . import graph, quantizers
+from .layers import make_quantization_aware, quantization_aware_layers, serializable_classes
+from .recipes import Quantize, TensorRT  # noqa: F401 (the specs, public here)
 
 
 def quantize_model(model, spec, strategy=None):
     """Make ``model``'s layers quantization-aware in place, per ``spec``; returns the layer plans."""
     from kerasdist.plugin_tools import state_unlocked
-
-    from kerasdist_plugins.qat.layers import make_quantization_aware, quantization_aware_layers
 
     where = "quantize" if spec.recipe == "litert" else "tensorrt"
     if not model.built:
@@ -137,43 +77,19 @@ def _check_replicas_share_steps(strategy, where):
             "int8 ranges. Use distribute=['multiworker', quantize()] (kerasdist launch) for several processes.")
 
 
-def _sparsity_spec():
-    from kerasdist_plugins.pruning import Prune
-
-    return Prune(target_sparsity=0.5, pattern="2:4", schedule="constant")
-
-
 # -- public helpers -----------------------------------------------------------------------
 
 def is_quantization_aware(model):
-    from kerasdist_plugins.qat.layers import quantization_aware_layers
-
     return bool(quantization_aware_layers(model))
 
 
 def ranges(model):
     """``{layer name: {"input"|"pre"|"output": (min, max)}}`` of a quantization-aware model."""
-    from kerasdist_plugins.qat.layers import quantization_aware_layers
-
     return {layer.name: layer.ranges() for layer in quantization_aware_layers(model) if layer.ranges()}
 
 
 def recipe_of(model):
-    from kerasdist_plugins.qat.layers import quantization_aware_layers
-
     return next((layer.quantization_plan.recipe for layer in quantization_aware_layers(model)), None)
-
-
-def check_trained(model, format):
-    """Export needs learned ranges: a layer that never saw a training batch has none."""
-    import math
-
-    untrained = sorted(name for name, pairs in ranges(model).items()
-                       if any(math.isnan(v) for pair in pairs.values() for v in pair))
-    if untrained:
-        raise kerasdist.KerasdistError(
-            f"export(format={format!r}): the quantization ranges of layers {untrained} were never learned (the model "
-            "was compiled with quantize() but not trained); run fit first, at least one step.")
 
 
 export_mode = quantizers.export_mode
@@ -193,24 +109,10 @@ def kerasdist_register_optimizations(register):
 
 @kerasdist.hookimpl
 def kerasdist_keras_imported(keras):
-    from kerasdist_plugins.qat.layers import serializable_classes
-
     serializable_classes()
 
 
 @kerasdist.hookimpl
 def kerasdist_prepare_model(model, strategy, spec):
     if isinstance(spec, (Quantize, TensorRT)):
-        quantize_model(model, spec, strategy)
-    if isinstance(spec, TensorRT) and spec.sparsity:
-        from kerasdist_plugins import pruning
-
-        pruning.kerasdist_prepare_model(model, _sparsity_spec())
-
-
-@kerasdist.hookimpl
-def kerasdist_adjust_call(method, call_kwargs, model, spec):
-    if isinstance(spec, TensorRT) and spec.sparsity:
-        from kerasdist_plugins import pruning
-
-        pruning.kerasdist_adjust_call(method, call_kwargs, model, _sparsity_spec())
+        quantize_model(model, spec, strategy)  # tensorrt(sparsity="2:4") gets its pruning through the plan

@@ -13,7 +13,7 @@ import warnings
 
 import kerasdist
 
-from kerasdist_plugins.qat.quantizers import EMA_DECAY
+from .quantizers import EMA_DECAY
 
 FUSED_ACTIVATIONS = ("linear", "relu", "relu6")
 
@@ -191,24 +191,19 @@ def plan(model, chosen, recipe, per_channel, ema_decay):
 def choose(model, layer_names):
     """The weighted layers to quantize: every supported one (others skipped with a warning), or the
     ones named (an unsupported one is an error)."""
-    from kerasdist.plugin_tools import all_layers
+    from kerasdist.plugin_tools import all_layers, layers_by_name
 
     layers = list(all_layers(model))
     if layer_names is not None:
-        by_name = {layer.name: layer for layer in layers}
-        unknown = [name for name in layer_names if name not in by_name]
-        if unknown:
-            raise kerasdist.KerasdistError(
-                f"quantize: layers={list(layer_names)!r} names {unknown} that the model does not have; its layers "
-                f"are {sorted(by_name)}.")
-        bad = {name: why_unsupported(by_name[name]) if isinstance(by_name[name], weighted_types())
-               else f"{type(by_name[name]).__name__} is not a quantizable layer type" for name in layer_names}
+        named = layers_by_name(model, layer_names, "quantize")
+        bad = {layer.name: why_unsupported(layer) if isinstance(layer, weighted_types())
+               else f"{type(layer).__name__} is not a quantizable layer type" for layer in named}
         bad = {name: why for name, why in bad.items() if why}
         if bad:
             raise kerasdist.KerasdistError(
                 "quantize: cannot quantize " + "; ".join(f"layer {name!r}: {why}" for name, why in bad.items())
                 + f". Quantizable types: {', '.join(t.__name__ for t in weighted_types())}.")
-        return [by_name[name] for name in layer_names]
+        return named
     candidates = [layer for layer in layers if isinstance(layer, weighted_types())]
     keras_quantized = [layer.name for layer in candidates
                        if getattr(getattr(layer, "dtype_policy", None), "quantization_mode", None)]

@@ -1,20 +1,23 @@
 """Quantization-aware versions of Keras layers, made by switching a layer's class in place.
 
 ``QAT<Base>`` subclasses ``<Base>`` (Dense, Conv2D, BatchNormalization, ...) and adds what the layer's
-:class:`~kerasdist_plugins.qat.graph.LayerPlan` asks for: a fake-quantized kernel, and moving-average
+:class:`.graph.LayerPlan` asks for: a fake-quantized kernel, and moving-average
 ranges for its input, its pre-activation output or its output. The model keeps its layers, weights and
 graph; the classes are registered Keras serializables (``kerasdist>QATDense``...), so ``model.save`` /
-``keras.saving.load_model`` keep the quantization state.
+``keras.saving.load_model`` keep the quantization state. The layers follow :mod:`kerasdist.exporting`'s
+quantization protocol (``kerasdist_quantization_recipe``, ``kerasdist_quantization_ranges()``), through
+which exporters read them.
 """
 
 import inspect
 
-from kerasdist_plugins.qat import quantizers
-from kerasdist_plugins.qat.graph import LayerPlan
+from kerasdist.plugin_tools import process_state
+
+from . import quantizers
+from .graph import LayerPlan, weighted_types
 
 CONFIG_KEY = "kerasdist_qat"
 RANGES = ("input", "pre", "output")
-_classes = {}
 
 
 class QuantizationAware:
@@ -50,7 +53,7 @@ class QuantizationAware:
 
     @property
     def quantization_plan(self):
-        """The :class:`~kerasdist_plugins.qat.graph.LayerPlan` this layer follows."""
+        """The :class:`.graph.LayerPlan` this layer follows."""
         return self._qat_plan
 
     @property
@@ -63,6 +66,13 @@ class QuantizationAware:
         import numpy as np
 
         return {name: tuple(float(np.asarray(v.numpy())) for v in pair) for name, pair in self._qat_ranges.items()}
+
+    kerasdist_quantization_ranges = ranges  # kerasdist.exporting's protocol
+
+    @property
+    def kerasdist_quantization_recipe(self):
+        """The recipe these ranges were learned for ("litert" or "tensorrt"; kerasdist.exporting's protocol)."""
+        return self._qat_plan.recipe
 
     def _qat_activation(self, name, x, training):
         if name not in self._qat_ranges:
@@ -143,20 +153,20 @@ def is_depthwise(layer):
 
 def class_for(base):
     """The registered ``QAT<Base>`` class for a Keras layer class."""
-    if base not in _classes:
+    # kept through process_state.reset(): Keras's serialization registry holds these classes for good
+    classes = process_state.slot("qat.layer_classes", dict, keep=True)
+    if base not in classes:
         import keras
 
         name = f"QAT{base.__name__}"
         cls = type(name, (QuantizationAware, base), {"__module__": __name__, "__doc__": f"Quantization-aware {base.__name__}."})
-        _classes[base] = keras.saving.register_keras_serializable(package="kerasdist", name=name)(cls)
-    return _classes[base]
+        classes[base] = keras.saving.register_keras_serializable(package="kerasdist", name=name)(cls)
+    return classes[base]
 
 
 def serializable_classes():
     """Every QAT class, registered (for loading saved models)."""
     from keras import layers
-
-    from kerasdist_plugins.qat.graph import weighted_types
 
     return [class_for(base) for base in weighted_types() + (layers.BatchNormalization, layers.Activation, layers.ReLU)]
 

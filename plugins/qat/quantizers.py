@@ -2,35 +2,14 @@
 
 Training uses Keras's ``keras.quantizers.fake_quant_with_min_max_vars`` (TensorFlow's
 ``FakeQuantWithMinMaxVars*`` ops on the TensorFlow backend, which the LiteRT converter turns into
-int8). While a model is exported (:func:`export_mode`), the ranges become constants and, for ONNX,
+int8). While a model is exported (``kerasdist.exporting.tracing``), the ranges become constants and, for ONNX,
 the weight quantizers become ``QuantizeAndDequantizeV4`` (tf2onnx writes both as
 QuantizeLinear/DequantizeLinear pairs).
 """
 
-import contextlib
-import threading
+from kerasdist.exporting import trace_mode as mode, tracing as export_mode  # noqa: F401 (qat's names for them)
 
 EMA_DECAY = 0.999  # TFMOT's MovingAverageQuantizer default
-MODES = ("train", "float", "litert", "onnx")
-_state = threading.local()
-
-
-def mode():
-    """"train" (fake quantization from the variables), "float" (no quantization: float exports),
-    "litert" or "onnx" (constant ranges, for a converter)."""
-    return getattr(_state, "mode", "train")
-
-
-@contextlib.contextmanager
-def export_mode(name):
-    """Trace the model in mode ``name`` (one of MODES) inside the block."""
-    if name not in MODES:
-        raise ValueError(f"export_mode({name!r}): choose one of {MODES}")
-    previous, _state.mode = mode(), name
-    try:
-        yield
-    finally:
-        _state.mode = previous
 
 
 def constant(value):
