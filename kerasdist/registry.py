@@ -136,7 +136,7 @@ class PluginEntry:
 BACKEND_INSTALL = {
     "tensorflow": "pip install 'kerasdist[cpu]' (CPU), 'kerasdist[cuda]' (NVIDIA GPUs), or your own tensorflow",
     "jax": "pip install 'kerasdist[jax]'",
-    "torch": "pip install torch",
+    "torch": "pip install 'kerasdist[torch]'",
 }
 
 
@@ -221,6 +221,14 @@ def _key(space, name):
     return name if space == "train" else f"export:{name}"
 
 
+def _other_backends(entry, existing, registered):
+    """Whether ``entry`` may share its name with ``registered`` (``existing`` among them): same kind, each
+    for its own backends (none empty, none shared), so that lookup picks the running backend's."""
+    return bool(entry.backends) and all(
+        e.kind == entry.kind and e.name == entry.name and e.backends and not set(e.backends) & set(entry.backends)
+        for e in registered)
+
+
 class Registry:
     def __init__(self):
         self.entries = {}
@@ -251,6 +259,8 @@ class Registry:
             raise PluginValidationError(f"Exporter {entry.name!r} of plugin {entry.plugin!r} is not callable.")
         for key in (entry.name,) + entry.aliases:
             existing = self._lookup(key, _namespace(entry.kind))
+            if existing is not None and not override and _other_backends(entry, existing, self._variants(key, entry)):
+                continue  # one word, another implementation for other backends (e.g. data_parallel on torch)
             if existing is not None and not override:
                 raise DuplicatePluginError(
                     f"Plugin {entry.plugin!r}{_package(entry)} registers the {entry.kind} name {key!r}, which "
@@ -265,15 +275,32 @@ class Registry:
 
     def _attach(self, entry):
         space = _namespace(entry.kind)
-        self.entries[_key(space, entry.name)] = entry
+        key = _key(space, entry.name)
+        if key in self.entries and self.entries[key] is not entry:  # a variant for other backends
+            key = f"{key}@{'+'.join(entry.backends)}"
+        self.entries[key] = entry
         for alias in entry.aliases:
-            self._aliases[_key(space, alias)] = _key(space, entry.name)
+            self._aliases.setdefault(_key(space, alias), _key(space, entry.name))
+
+    def _variants(self, key, entry):
+        """The entries registered under ``key`` (a name or alias) in ``entry``'s namespace."""
+        space = _namespace(entry.kind)
+        return self._candidates(_key(space, normalize(key)))
+
+    def _candidates(self, key):
+        """Every entry registered under ``key`` (namespaced), one per backend group; its own aliases only."""
+        name_key = self._aliases.get(key, key)
+        bare = key.split(":", 1)[1] if key.startswith("export:") else key
+        found = [e for k, e in self.entries.items() if k == name_key or k.startswith(name_key + "@")]
+        return [e for e in found if bare == e.name or bare in e.aliases]
 
     def _detach(self, entry):
         space = _namespace(entry.kind)
-        self.entries.pop(_key(space, entry.name), None)
+        for key in [k for k, e in self.entries.items() if e is entry]:
+            del self.entries[key]
         for alias in entry.aliases:
-            self._aliases.pop(_key(space, alias), None)
+            if not any(alias in e.aliases for e in self.entries.values() if _namespace(e.kind) == space):
+                self._aliases.pop(_key(space, alias), None)
 
     def remove_plugin(self, plugin):
         """Drop every name ``plugin`` registered; names it replaced come back to their owners."""
@@ -292,8 +319,20 @@ class Registry:
         return self._lookup(key, "train") or self._lookup(key, "export")
 
     def _lookup(self, key, space):
-        key = _key(space, normalize(key))
-        return self.entries.get(self._aliases.get(key, key))
+        """The entry for ``key``; of one word registered for several disjoint backends, the running backend's."""
+        candidates = self._candidates(_key(space, normalize(key)))
+        if len(candidates) > 1:
+            backend = keras_backend()
+            return next((e for e in candidates if backend in e.backends), candidates[0])
+        return candidates[0] if candidates else None
+
+    def entry_of(self, spec):
+        """The entry ``spec`` was created from (its name and class), or None for unregistered specs."""
+        name = getattr(spec, "name", None)
+        if not isinstance(name, str):
+            return None
+        candidates = self._candidates(_key("train", normalize(name)))
+        return next((e for e in candidates if isinstance(spec, e.factory)), None)
 
     def get(self, name, kinds=("strategy", "optimization")):
         entry = self._lookup(name, "export" if tuple(kinds) == ("export",) else "train")
@@ -312,7 +351,7 @@ class Registry:
         return entry
 
     def names(self, kinds=KINDS):
-        return [e.name for e in self.entries.values() if e.kind in kinds]
+        return list(dict.fromkeys(e.name for e in self.entries.values() if e.kind in kinds))
 
     def rows(self):
         rows = [e.as_row() for e in sorted(self.entries.values(), key=lambda e: (e.kind, e.name))]

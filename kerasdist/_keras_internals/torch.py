@@ -1,0 +1,78 @@
+"""The private Keras pieces data parallelism on the PyTorch backend needs (part of kerasdist._keras_internals).
+
+- Whether the installed Keras's torch trainer wraps the model in ``DistributedDataParallel`` by itself once
+  torch.distributed is initialised (Keras's main branch, keras-team/keras#23316, for 3.16): then kerasdist
+  must not all-reduce gradients or metrics a second time.
+- ``BatchNormalization._moments`` (private, replaced per instance) for batch statistics over every rank.
+- ``Layer._flatten_layers`` (private) to find nested layers.
+
+torch is imported only inside the functions (``import kerasdist`` never imports it).
+"""
+
+import inspect
+
+from .versions import installed_keras_version, require
+
+_TORCH_TRAINER = "keras.src.backend.torch.trainer"
+
+
+def keras_wraps_ddp():
+    """Whether this Keras's torch trainer wraps the model in DDP itself when torch.distributed is
+    initialised (Keras >= 3.16, or a trainer whose source uses ``DistributedDataParallel``)."""
+    import importlib
+
+    version = installed_keras_version() or "0"
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) >= (3, 16):
+        return True
+    try:
+        trainer = importlib.import_module(_TORCH_TRAINER)
+        return "DistributedDataParallel" in inspect.getsource(trainer)
+    except (ImportError, OSError, TypeError):
+        return False
+
+
+def synchronize_torch_batch_norm(model, sum_across, weight_of_rows=lambda: 1.0):
+    """Make every ``keras.layers.BatchNormalization`` of ``model`` (nested ones too) compute its training
+    moments over every rank: ``sum_across(tensor)`` sums a torch tensor over the ranks with autograd
+    (``torch.distributed.nn.functional.all_reduce``); the local sum, squared sum and row count are summed,
+    each multiplied by ``weight_of_rows()`` (0 for a rank holding a placeholder row). Masked calls keep
+    local statistics. Returns the number of layers changed."""
+    import keras
+
+    require("layer_flatten_layers", "batch_norm_moments")
+    changed = 0
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, keras.layers.BatchNormalization) and "_moments" not in layer.__dict__:
+            layer._moments = _summed_moments(layer, layer._moments, sum_across, weight_of_rows)
+            changed += 1
+    return changed
+
+
+def _summed_moments(layer, local_moments, sum_across, weight_of_rows):
+    import torch
+
+    def moments(inputs, mask):
+        if mask is not None:
+            return local_moments(inputs, mask)
+        axes = [a % inputs.ndim for a in layer._reduction_axes]
+        x = inputs.float() if inputs.dtype in (torch.float16, torch.bfloat16) else inputs
+        weight = float(weight_of_rows())
+        local_sum = x.sum(dim=axes, keepdim=True) * weight
+        local_squares = (x * x).sum(dim=axes, keepdim=True) * weight
+        count = 1
+        for a in axes:
+            count *= x.shape[a]
+        local_count = torch.tensor([count * weight], dtype=x.dtype, device=x.device)
+        size = local_sum.numel()
+        total = sum_across(torch.cat([local_sum.reshape(-1), local_squares.reshape(-1), local_count]))
+        n = torch.clamp(total[2 * size], min=1.0)
+        mean = (total[:size] / n).reshape(local_sum.shape)
+        variance = torch.clamp((total[size:2 * size] / n).reshape(local_sum.shape) - mean * mean, min=0.0)
+        mean, variance = mean.squeeze(tuple(axes)), variance.squeeze(tuple(axes))
+        return mean.to(inputs.dtype), variance.to(inputs.dtype)
+
+    return moments

@@ -1,0 +1,163 @@
+"""distribute="data_parallel" (also "ddp") on the PyTorch backend: one process per device, gradients averaged
+through torch.distributed (gloo on CPU, NCCL on GPUs), ``batch_size`` the global batch.
+
+Launch with ``kerasdist launch -n N train.py`` or ``torchrun --nproc-per-node N train.py``; a TF_CONFIG or
+Slurm cluster works too. The word is the same as on TensorFlow and JAX (plugin keras_distribution): the
+registry picks this implementation when Keras runs on torch.
+
+On a Keras whose torch trainer wraps the model in DistributedDataParallel itself (3.16, keras-team/keras#23316)
+kerasdist joins the process group and splits the data, and leaves gradients and metrics to Keras: a model
+is never reduced twice.
+"""
+
+import dataclasses
+from typing import Optional
+
+import kerasdist
+from kerasdist.plugin_tools import check_number, keras_backend, keras_wraps_ddp, synchronize_torch_batch_norm
+
+from . import group, launching  # the modules that use Keras are imported by the hooks (none at plugin loading)
+
+__all__ = ["TorchDataParallelSpec"]
+
+NAME = "data_parallel"
+
+
+@dataclasses.dataclass
+class TorchDataParallelSpec(kerasdist.StrategySpec):
+    """Every process holds every weight; each global batch is split across the processes.
+
+    :param sync_batch_norm: BatchNormalization statistics over the whole global batch (one all-reduce per
+        layer and step, and one in its backward pass).
+    :param backend: the torch.distributed backend; None: gloo on CPU, NCCL when CUDA is available.
+    :param timeout_s: how long a collective waits for the other ranks before failing (a hung rank).
+    """
+
+    sync_batch_norm: bool = False
+    backend: Optional[str] = None
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        group.check_backend_name(self.backend)
+        check_number(self.timeout_s, "timeout_s", "data_parallel (torch)", minimum=0, inclusive_minimum=False)
+
+    def identity(self):
+        return ("torch", self.backend, self.timeout_s)
+
+
+# -- registration, resolution, launch ---------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_register_strategies(register):
+    register(NAME, TorchDataParallelSpec, aliases=("ddp", "data-parallel", "dataparallel"), backends=("torch",),
+             requires=("torch",), extra="torch",
+             description="Replicated weights, one process per device, the global batch split across the "
+                         "processes; gradients averaged through torch.distributed (gloo on CPU, NCCL on GPUs).")
+
+
+@kerasdist.hookimpl(tryfirst=True)
+def kerasdist_auto_strategy(cluster):
+    return NAME if keras_backend() == "torch" else None
+
+
+@kerasdist.hookimpl
+def kerasdist_detect_cluster(environ):
+    return launching.detect(environ)
+
+
+@kerasdist.hookimpl(trylast=True)
+def kerasdist_launch_environment(worker, environ):
+    launching.launch_environment(worker, environ)
+
+
+# -- compile ------------------------------------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_create_strategy(spec, cluster):
+    if not isinstance(spec, TorchDataParallelSpec):
+        return None
+    return group.join(cluster, spec.backend, spec.timeout_s)
+
+
+def _own(spec, strategy):
+    return isinstance(spec, TorchDataParallelSpec) and isinstance(strategy, group.TorchDataParallel)
+
+
+@kerasdist.hookimpl
+def kerasdist_prepare_model(model, strategy, spec):
+    if not _own(spec, strategy):
+        return
+    import keras
+
+    if keras.distribution.distribution() is not None:
+        raise kerasdist.KerasdistError(
+            f"distribute={NAME!r} and keras.distribution.set_distribution({type(keras.distribution.distribution()).__name__}"
+            "(...)) were both given; on torch kerasdist distributes the model itself: remove the "
+            "set_distribution call (or pass that distribution as distribute= on JAX).")
+    if strategy.world_size > 1 and model.built:
+        from . import training
+
+        training.broadcast_from_rank0(model.variables)
+
+
+@kerasdist.hookimpl
+def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
+    if not _own(spec, strategy) or strategy.world_size < 2 or keras_wraps_ddp():
+        return
+    if spec.sync_batch_norm:
+        import torch.distributed.nn.functional as dist_functional
+
+        from . import training
+
+        state = training.StepState()
+        model._kerasdist_torch_bn_state = state
+        synchronize_torch_batch_norm(model, dist_functional.all_reduce,
+                                     lambda: 0.0 if state.placeholder else 1.0)
+
+
+# -- fit / evaluate / predict -----------------------------------------------------------------
+
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
+    if not _own(spec, strategy):
+        return
+    from . import callbacks, data
+
+    callbacks.only_rank0_writes(method, call_kwargs, strategy.rank)
+    if strategy.world_size < 2 or method == "predict":
+        return
+    name = f"{NAME} (torch)"
+    if method == "fit":
+        data.split_validation(call_kwargs)
+    view = data.rank_view(method, call_kwargs.get("x"), call_kwargs, strategy.rank, strategy.world_size, name)
+    if view is not None:
+        call_kwargs.update(x=view, y=None, sample_weight=None, batch_size=None)
+        if method == "fit":
+            call_kwargs["shuffle"] = False
+    validation = call_kwargs.get("validation_data")
+    if method == "fit" and validation is not None:
+        if isinstance(validation, (tuple, list)) and data.is_arrays(validation[0]):
+            parts = list(validation) + [None] * (3 - len(validation))
+            kwargs = {"y": parts[1], "sample_weight": parts[2],
+                      "batch_size": call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size") or 32}
+            view = data.rank_view("evaluate", parts[0], kwargs, strategy.rank, strategy.world_size, name)
+        else:
+            view = data.rank_view("evaluate", validation, {}, strategy.rank, strategy.world_size, name)
+        if view is not None:
+            call_kwargs["validation_data"] = view
+
+
+@kerasdist.hookimpl
+def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
+    if not _own(spec, strategy) or strategy.world_size < 2:
+        return None
+    from . import predicting, training
+
+    if method == "predict":
+        return predicting.predict(call, call_kwargs, strategy.rank, strategy.world_size)
+    if not keras_wraps_ddp():
+        state = getattr(model, "_kerasdist_torch_bn_state", None) or training.StepState()
+        training.install(model, model.optimizer, state)
+        if method == "fit" and model.built:
+            training.broadcast_from_rank0(list(model.variables) + list(model.optimizer.variables))
+    return call(**call_kwargs)

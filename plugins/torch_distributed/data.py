@@ -1,0 +1,191 @@
+"""Each rank's share of every global batch (``batch_size`` is the global batch, as for every word).
+
+The rule: a global batch of ``n`` rows is cut into the ranks' contiguous shares ``[n*r//W, n*(r+1)//W)``
+(sizes differ by at most one), so every rank runs one step per global batch and any ``n`` is handled
+exactly (training.py weights each share by its size). A rank whose share is empty (``n < W``) gets the
+batch's first row as a placeholder, marked by the sample weight -0.0; it contributes nothing.
+
+Inputs: NumPy arrays (shuffled, when ``fit(shuffle=True)``, by one permutation per epoch drawn from a seed
+rank 0 chose), a ``keras.utils.PyDataset`` (batch order shuffled the same way), a torch ``DataLoader``
+(iterated in every rank; a shuffling one is given a generator seeded by rank 0) and a ``tf.data.Dataset``
+of known length. Each becomes a ``keras.utils.PyDataset`` holding this rank's rows.
+"""
+
+import numpy as np
+
+import keras
+
+from kerasdist import KerasdistError
+from kerasdist.plugin_tools import first_array, is_dataset
+
+from .training import PLACEHOLDER_MARK
+
+
+def share(rows, rank, world):
+    return rows * rank // world, rows * (rank + 1) // world
+
+
+def take_share(batch, rank, world):
+    """Rank ``rank``'s rows of a global batch (a tuple ``(x[, y[, sample_weight]])`` or a structure)."""
+    if not isinstance(batch, tuple):
+        batch = (batch,)
+    rows = len(first_array(batch[0]))
+    start, stop = share(rows, rank, world)
+    if stop > start:
+        return tuple(_map(lambda a: a[start:stop], part) for part in batch)
+    x = _map(lambda a: a[:1], batch[0])
+    y = _map(lambda a: a[:1], batch[1]) if len(batch) > 1 else None
+    return x, y, np.full((1,), PLACEHOLDER_MARK, dtype="float32")
+
+
+def _map(function, value):
+    if value is None:
+        return None
+    return keras.tree.map_structure(lambda a: function(_as_array(a)), value)
+
+
+def _as_array(value):
+    if hasattr(value, "detach"):  # a torch tensor
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
+class RankShare(keras.utils.PyDataset):
+    """This rank's part of each global batch of a source read in order (``batch(i)`` = global batch i)."""
+
+    def __init__(self, batches, count, rank, world):
+        super().__init__()
+        self._batches, self._count, self.rank, self.world = batches, count, rank, world
+
+    def __len__(self):
+        return self._count
+
+    @property
+    def num_batches(self):
+        return self._count
+
+    def __getitem__(self, index):
+        if index >= self._count:
+            raise IndexError(index)
+        return take_share(self._batches(index), self.rank, self.world)
+
+
+def shared_seed():
+    """A seed chosen by rank 0, the same in every rank."""
+    import torch
+    import torch.distributed as dist
+
+    seed = torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64)
+    dist.broadcast(seed, src=0)
+    return int(seed)
+
+
+class _Order:
+    """Batch order per epoch: in order, or a permutation drawn each time batch 0 is read (every rank draws
+    the same, from the shared seed)."""
+
+    def __init__(self, size, shuffle):
+        self.size, self.rng = size, np.random.default_rng(shared_seed()) if shuffle else None
+        self.current = np.arange(size)
+
+    def at(self, index):
+        if index == 0 and self.rng is not None:
+            self.current = self.rng.permutation(self.size)
+        return self.current
+
+
+def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
+    size = len(first_array(x))
+    order = _Order(size, shuffle)
+    count = -(-size // batch_size)
+
+    def batch(index):
+        rows = order.at(index)[index * batch_size:(index + 1) * batch_size]
+        parts = [x] + [p for p in (y, sample_weight) if p is not None]
+        if sample_weight is not None and y is None:
+            raise KerasdistError("data_parallel (torch): sample_weight without y is not supported; give y.")
+        return tuple(keras.tree.map_structure(lambda a: np.asarray(a)[rows], p) for p in parts)
+
+    return RankShare(batch, count, rank, world)
+
+
+def from_py_dataset(dataset, shuffle, rank, world):
+    count = len(dataset)
+    order = _Order(count, shuffle)
+    return RankShare(lambda index: dataset[int(order.at(index)[index])], count, rank, world)
+
+
+def from_iterable(make_iterator, count, rank, world):
+    """A source read in order (a DataLoader, a tf.data.Dataset): batch 0 starts a new pass."""
+    current = {}
+
+    def batch(index):
+        if index == 0 or "it" not in current:
+            current["it"] = iter(make_iterator())
+        return _as_tuple(next(current["it"]))
+
+    return RankShare(batch, count, rank, world)
+
+
+def _as_tuple(batch):
+    if isinstance(batch, (tuple, list)) and 1 <= len(batch) <= 3:
+        return tuple(batch)
+    return (batch,)
+
+
+def from_data_loader(loader, rank, world):
+    import torch
+
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
+        sampler.generator = torch.Generator().manual_seed(shared_seed())  # the same order in every rank
+    return from_iterable(lambda: loader, len(loader), rank, world)
+
+
+def from_tf_dataset(dataset, rank, world, name):
+    count = int(dataset.cardinality())
+    if count < 0:
+        raise KerasdistError(f"{name}: a tf.data.Dataset of unknown or infinite length cannot be split into the "
+                             "ranks' shares; give it a known length (e.g. .take(n) or .apply("
+                             "tf.data.experimental.assert_cardinality(n))).")
+    return from_iterable(dataset.as_numpy_iterator, count, rank, world)
+
+
+def rank_view(method, value, call_kwargs, rank, world, name):
+    """``value`` (``x`` of ``fit``/``evaluate``) as this rank's :class:`RankShare`, or None to leave it."""
+    import torch
+
+    shuffle = method == "fit" and call_kwargs.get("shuffle", True) not in (False, None)
+    if isinstance(value, RankShare):
+        return None
+    if is_dataset(value):
+        return from_tf_dataset(value, rank, world, name)
+    if isinstance(value, torch.utils.data.DataLoader):
+        return from_data_loader(value, rank, world)
+    if isinstance(value, keras.utils.PyDataset):
+        return from_py_dataset(value, shuffle, rank, world)
+    if is_arrays(value):
+        return from_arrays(value, call_kwargs.get("y"), call_kwargs.get("sample_weight"),
+                           int(call_kwargs.get("batch_size") or 32), shuffle, rank, world)
+    return None
+
+
+def is_arrays(value):
+    leaves = keras.tree.flatten(value) if value is not None else []
+    return bool(leaves) and all(isinstance(a, np.ndarray) or hasattr(a, "__array__") and not hasattr(a, "cardinality")
+                                for a in leaves)
+
+
+def split_validation(call_kwargs):
+    """``validation_split`` of in-memory arrays cut off as Keras does (the last rows, before shuffling)."""
+    split = float(call_kwargs.get("validation_split") or 0.0)
+    x = call_kwargs.get("x")
+    if not split or call_kwargs.get("validation_data") is not None or not is_arrays(x):
+        return
+    at = int(np.floor(len(first_array(x)) * (1.0 - split)))
+    parts = [p for p in (x, call_kwargs.get("y"), call_kwargs.get("sample_weight")) if p is not None]
+    call_kwargs["validation_data"] = tuple(keras.tree.map_structure(lambda a: a[at:], p) for p in parts)
+    for key, part in zip(("x", "y", "sample_weight"), (x, call_kwargs.get("y"), call_kwargs.get("sample_weight"))):
+        if part is not None:
+            call_kwargs[key] = keras.tree.map_structure(lambda a: a[:at], part)
+    call_kwargs["validation_split"] = 0.0

@@ -1,0 +1,167 @@
+"""What makes the ranks train as one device on the global batch: the same starting weights, gradients of
+the global mean loss, and the same (all-reduced) metrics in every rank.
+
+Gradients: each rank's loss (Keras's mean over its rows) is multiplied by its row count ``n_r`` before the
+backward pass (``optimizer.scale_loss``); ``optimizer.apply`` sums the gradients and the row counts of every
+rank in one ``all_reduce`` over one flat buffer and divides by the global count ``N``: the gradient of the
+global mean, ``sum_r (n_r / N) grad_r``, also when the ranks' shares differ (an uneven last batch) or one
+is empty. Because the weighting happens before backward, gradients that cross ranks through synchronized
+BatchNormalization are weighted right too. Keras then applies its own clipping, loss scaling and gradient
+accumulation to that gradient, exactly as on one device.
+
+A rank whose share of a batch is empty gets a placeholder row (data.py marks it with a sample weight of
+-0.0): it runs the same forward/backward (the same collectives) with weight 0, and its metrics are untouched.
+"""
+
+import keras
+
+from kerasdist.plugin_tools import unique_variables
+
+PLACEHOLDER_MARK = -0.0  # the sample weight of a placeholder row (a rank with no rows in this batch)
+
+
+class StepState:
+    """This process's current step: its rows, and whether it holds only a placeholder."""
+
+    rows = 1
+    placeholder = False
+
+
+def broadcast_from_rank0(variables):
+    """Every rank starts from rank 0's values (as DDP does at wrap time)."""
+    import torch
+    import torch.distributed as dist
+
+    for variable in unique_variables(variables):
+        value = variable.value.detach().clone()
+        dist.broadcast(value, src=0)
+        with torch.no_grad():
+            variable.assign(value)
+
+
+def is_placeholder(data):
+    import torch
+
+    _, _, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if not isinstance(sample_weight, torch.Tensor) or sample_weight.numel() == 0:
+        return False
+    return bool(torch.all(sample_weight == 0) and torch.all(torch.signbit(sample_weight)))
+
+
+def local_rows(data):
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    first = next((t for t in keras.tree.flatten(x) if t is not None), None)
+    return int(first.shape[0]) if first is not None and len(first.shape) else 1
+
+
+def install(model, optimizer, state):
+    """Wrap this model's steps, its optimizer's ``scale_loss``/``apply`` and ``get_metrics_result`` (instance
+    attributes: other models and optimizers are untouched). Idempotent per object."""
+    if "_kerasdist_torch" not in model.__dict__:
+        model._kerasdist_torch = state
+        model.train_step = _train_step(model, model.train_step, state)
+        model.test_step = _test_step(model, model.test_step)
+        model.get_metrics_result = _all_reduced_metrics(model, model.get_metrics_result)
+    if "_kerasdist_torch" not in optimizer.__dict__:
+        optimizer._kerasdist_torch = state
+        optimizer.scale_loss = _weighted_loss(optimizer.scale_loss, state)
+        optimizer.apply = _averaged_apply(optimizer.apply, state)
+
+
+def _train_step(model, original, state):
+    def train_step(data):
+        state.placeholder = is_placeholder(data)
+        state.rows = 0 if state.placeholder else local_rows(data)
+        if not state.placeholder:
+            return original(data)
+        return _placeholder_step(model, data)
+
+    return train_step
+
+
+def _placeholder_step(model, data):
+    """The collectives of a training step (forward, backward, gradient all-reduce) with zero weight."""
+    import torch
+
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+    y_pred = model(x, training=True)
+    model.zero_grad()
+    outputs = [t for t in keras.tree.flatten(y_pred) if isinstance(t, torch.Tensor)]
+    loss = sum((t.float().sum() * 0.0 for t in outputs), torch.zeros((), device=outputs[0].device))
+    loss = model.optimizer.scale_loss(loss)
+    variables = model.trainable_weights[:]
+    if loss.requires_grad:
+        loss.backward()
+    gradients = [v.value.grad if v.value.grad is not None else torch.zeros_like(v.value) for v in variables]
+    with torch.no_grad():
+        model.optimizer.apply(gradients, variables)
+    return model.get_metrics_result()
+
+
+def _test_step(model, original):
+    def test_step(data):
+        if is_placeholder(data):
+            return model.get_metrics_result()
+        return original(data)
+
+    return test_step
+
+
+def _weighted_loss(original, state):
+    def scale_loss(loss):
+        return original(loss) * float(state.rows)
+
+    return scale_loss
+
+
+def _averaged_apply(original, state):
+    def apply(grads, trainable_variables=None):
+        import torch
+        import torch.distributed as dist
+
+        like = [g for g in grads if g is not None]
+        device = like[0].device if like else "cpu"
+        flat = torch.cat([g.reshape(-1).float() for g in like]
+                         + [torch.tensor([float(state.rows)], device=device)])
+        dist.all_reduce(flat)
+        total = flat[-1]
+        averaged, at = [], 0
+        for g in grads:
+            if g is None:
+                averaged.append(None)
+                continue
+            part = flat[at:at + g.numel()].reshape(g.shape)
+            averaged.append((part / torch.clamp(total, min=1.0)).to(g.dtype))
+            at += g.numel()
+        return original(averaged, trainable_variables)
+
+    return apply
+
+
+def _all_reduced_metrics(model, original):
+    """``get_metrics_result`` over every rank: the metrics' state variables (totals, counts, confusion
+    counts: additive) summed over the ranks for the result, then put back, so each rank keeps its own."""
+    def get_metrics_result():
+        import torch
+        import torch.distributed as dist
+
+        variables = unique_variables(v for m in model.metrics for v in m.variables)
+        if not variables:
+            return original()
+        local = [v.value.detach().clone() for v in variables]
+        flat = torch.cat([t.reshape(-1).double() for t in local])
+        dist.all_reduce(flat)
+        at = 0
+        with torch.no_grad():
+            for variable, value in zip(variables, local):
+                variable.assign(flat[at:at + value.numel()].reshape(value.shape).to(value.dtype))
+                at += value.numel()
+            try:
+                result = keras.tree.map_structure(
+                    lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, original())
+            finally:
+                for variable, value in zip(variables, local):
+                    variable.assign(value)
+        return result
+
+    return get_metrics_result

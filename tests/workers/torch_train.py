@@ -1,0 +1,120 @@
+"""A torch data_parallel job for tests/test_torch*.py: trains a small model, saves weights/logs per rank.
+
+Usage: torch_train.py OUT_DIR [--epochs N] [--batch B] [--rows R] [--distribute WORD|none] [--input arrays|
+dataloader|pydataset|tfdata] [--policy P] [--accumulate K] [--bn] [--sync-bn] [--backup DIR]
+[--checkpoint]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E (1-based). Writes OUT_DIR/rank{r}.npz (weights, history, evaluate, predict).
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "torch")
+
+import numpy as np  # noqa: E402
+
+import kerasdist  # noqa: E402,F401
+import keras  # noqa: E402
+
+
+def arguments():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--distribute", default="data_parallel")
+    parser.add_argument("--input", default="arrays")
+    parser.add_argument("--policy", default="float32")
+    parser.add_argument("--accumulate", type=int, default=None)
+    parser.add_argument("--bn", action="store_true")
+    parser.add_argument("--sync-bn", action="store_true")
+    parser.add_argument("--backup", default=None)
+    parser.add_argument("--checkpoint", action="store_true")
+    return parser.parse_args()
+
+
+def data(rows):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 8)).astype("float32")
+    y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(rows, 1))).astype("float32")
+    return x, y
+
+
+def model(bn):
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
+    if bn:
+        layers.append(keras.layers.BatchNormalization())
+    layers.append(keras.layers.Dense(1))
+    return keras.Sequential(layers)
+
+
+def as_input(kind, x, y, batch):
+    if kind == "arrays":
+        return dict(x=x, y=y, batch_size=batch)
+    if kind == "dataloader":
+        import torch
+
+        dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        return dict(x=torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=False))
+    if kind == "pydataset":
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return -(-len(x) // batch)
+
+            def __getitem__(self, i):
+                return x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
+
+        return dict(x=Batches())
+    import tensorflow as tf
+
+    return dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
+
+
+class KillInEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch + 1 == self.epoch and batch == 1 and os.environ.get("RANK") == "1":
+            print("rank 1: SIGKILL in epoch", self.epoch, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+
+def main():
+    args = arguments()
+    keras.mixed_precision.set_global_policy(args.policy)
+    x, y = data(args.rows)
+    net = model(args.bn)
+    distribute = None if args.distribute == "none" else (
+        kerasdist.spec(args.distribute, sync_batch_norm=True) if args.sync_bn else args.distribute)
+    optimizer = keras.optimizers.SGD(0.05, gradient_accumulation_steps=args.accumulate)
+    net.compile(optimizer=optimizer, loss="mse", metrics=["mae"], distribute=distribute)
+    callbacks = []
+    if args.backup:
+        callbacks.append(keras.callbacks.BackupAndRestore(args.backup))
+    if os.environ.get("TORCH_TEST_KILL_AT"):  # not an argument: the relaunched job is the same job
+        callbacks.append(KillInEpoch(int(os.environ["TORCH_TEST_KILL_AT"])))
+    if args.checkpoint:
+        callbacks.append(keras.callbacks.CSVLogger(os.path.join(args.out, f"log-{os.environ.get('RANK', '0')}.csv")))
+    history = net.fit(**as_input(args.input, x, y, args.batch), epochs=args.epochs, shuffle=False, verbose=0,
+                      callbacks=callbacks)
+    evaluated = net.evaluate(x, y, batch_size=args.batch, verbose=0, return_dict=True)
+    predicted = net.predict(x, batch_size=args.batch, verbose=0)
+    rank = int(os.environ.get("RANK", "0"))
+    os.makedirs(args.out, exist_ok=True)
+    np.savez(os.path.join(args.out, f"rank{rank}.npz"), *[np.asarray(w, dtype="float64") for w in net.get_weights()],
+             loss=np.asarray(history.history["loss"]), mae=np.asarray(history.history["mae"]),
+             evaluate=np.asarray([evaluated["loss"], evaluated["mae"]]), predict=np.asarray(predicted, "float64"),
+             epochs_run=np.asarray(len(history.history["loss"])))
+    print(f"rank {rank} done: loss {history.history['loss']}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
