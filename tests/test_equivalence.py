@@ -2,11 +2,14 @@
 same way as plain Keras under every strategy (tests/workers/equivalence_script.py).
 
 Rows: plain Keras (1 process, the reference), mirrored and central_storage (2 CPU replicas in one
-process), multiworker (`kerasdist launch -n 2`), horovod (`horovodrun -np 2`). Columns: a training
+process), multiworker (`kerasdist launch -n 2`), horovod (`horovodrun -np 2`); on PyTorch
+(``KERAS_BACKEND=torch``), torch_data_parallel (`kerasdist launch -n 2`, distribute="data_parallel") against
+plain Keras on torch, with a mixed_bfloat16 column (the CPU's mixed precision). Columns: a training
 configuration. A cell passes when the steps of every epoch equal the reference's and the final
 weights are within the column's tolerance. Print the matrix with ``python tests/test_equivalence.py``.
 """
 
+import importlib.util
 import os
 import sys
 import uuid
@@ -30,6 +33,8 @@ HOROVOD_ARGS = ["-np", "2", "--gloo", "-H", "localhost:2", "--network-interfaces
 #: is float16 rounding, while a wrong average or a skipped step moves weights by lr x gradient
 #: (~1e-2 here). Measured: 3.2e-5 on every strategy (plain float32 vs plain mixed_float16: 7.4e-5).
 FLOAT16_HALF_ULP = 2.0 ** -11
+#: Half a bfloat16 ulp at 1.0, for the same reason under mixed_bfloat16 (8 bits of mantissa).
+BFLOAT16_HALF_ULP = 2.0 ** -8
 
 #: column -> (script switches, tolerance: a number, or "float16" for FLOAT16_HALF_ULP x max |w|)
 COLUMNS = {
@@ -40,14 +45,37 @@ COLUMNS = {
     "small_last_batch": (["--small-last-batch"], 1e-5),
 }
 ROWS = ("mirrored", "central_storage", "multiworker", "horovod")
+#: rows that run Keras on PyTorch (2 processes under `kerasdist launch -n 2`): row -> its distribute= word.
+#: Their reference is plain Keras on torch (row "torch_plain"); they also run TORCH_COLUMNS.
+TORCH_ROWS = {"torch_data_parallel": "data_parallel"}
+TORCH_COLUMNS = {"mixed_bfloat16": (["--precision", "mixed_bfloat16"], "bfloat16")}
+HAS_TORCH = importlib.util.find_spec("torch") is not None
 #: (column, row) cells that do not pass yet, with why; every other cell is asserted. Add an entry (and
 #: its reason) only for a cell that cannot pass yet; none is left.
-NOT_YET = {}
+NOT_YET = {
+    ("mixed_float16", "torch_data_parallel"):
+        "torch data_parallel skips 2 of 8 steps as float16 overflows (loss scale 32768 -> 8192) where one process "
+        "skips none: each rank's loss is multiplied by its row count before backward, which pushes float16 "
+        "gradients past 65504 (xfail, strict: passes once the weighting stays near 1)",
+}
 needs_horovod = run_if(horovod=True)
 
 
+def reference_of(row):
+    return "torch_plain" if row in TORCH_ROWS else None
+
+
+def columns_of(row):
+    return {**COLUMNS, **TORCH_COLUMNS} if row in TORCH_ROWS or row == "torch_plain" else COLUMNS
+
+
 def command(row, out, switches):
-    script = [SCRIPT, "--out", out, "--distribute", row or "none", *switches]
+    word = None if row == "torch_plain" else TORCH_ROWS.get(row, row)
+    script = [SCRIPT, "--out", out, "--distribute", word or "none", *switches]
+    if row in TORCH_ROWS:
+        return [KERASDIST, "launch", "-n", "2", *script], {"KERAS_BACKEND": "torch"}
+    if row == "torch_plain":
+        return [PYTHON, *script], {"KERAS_BACKEND": "torch"}
     if row == "multiworker":
         return [KERASDIST, "launch", "-n", "2", "--join-timeout", "60", *script], {}
     if row == "horovod":  # the tag finds processes horovodrun might leave behind
@@ -58,7 +86,7 @@ def command(row, out, switches):
 def train(row, column, outdir):
     """Run the script as ``row`` (None: plain Keras) for ``column``; returns (steps, weights)."""
     out = os.path.join(outdir, f"{row or 'plain'}-{column}.npz")
-    switches = COLUMNS[column][0]
+    switches = columns_of(row)[column][0]
     cmd, env = command(row, out, switches)
     result = run(cmd, timeout=240, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, **env), check=False)
     tag = cmd[-1] if row == "horovod" else None
@@ -86,9 +114,10 @@ def max_difference(a, b):
 
 
 def tolerance(column, reference_weights):
-    tol = COLUMNS[column][1]
-    if tol == "float16":
-        return FLOAT16_HALF_ULP * max(float(np.abs(w).max()) for w in reference_weights)
+    tol = {**COLUMNS, **TORCH_COLUMNS}[column][1]
+    half_ulp = {"float16": FLOAT16_HALF_ULP, "bfloat16": BFLOAT16_HALF_ULP}.get(tol)
+    if half_ulp:
+        return half_ulp * max(float(np.abs(w).max()) for w in reference_weights)
     return tol
 
 
@@ -101,10 +130,11 @@ def outdir(tmp_path_factory):
 
 
 def cell(row, column, outdir):
-    if (None, column) not in _results:
-        _results[(None, column)] = train(None, column, outdir)
+    reference = reference_of(row)
+    if (reference, column) not in _results:
+        _results[(reference, column)] = train(reference, column, outdir)
     _results[(row, column)] = train(row, column, outdir)
-    return _results[(None, column)], _results[(row, column)]
+    return _results[(reference, column)], _results[(row, column)]
 
 
 def check(row, column, outdir):
@@ -121,6 +151,18 @@ CELLS = [(row, column) for column in COLUMNS for row in ROWS if row != "horovod"
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("row, column", CELLS, ids=[f"{r}-{c}" for r, c in CELLS])
 def test_same_steps_and_weights_as_plain_keras(row, column, outdir):
+    check(row, column, outdir)
+
+
+TORCH_CELLS = [pytest.param(row, column, id=f"{row}-{column}", marks=[pytest.mark.xfail(
+    reason=NOT_YET[(column, row)], strict=True)] if (column, row) in NOT_YET else [])
+    for row in TORCH_ROWS for column in columns_of(row)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch (pip install 'kerasdist[torch]')")
+@pytest.mark.parametrize("row, column", TORCH_CELLS)
+def test_torch_same_steps_and_weights_as_plain_keras_on_torch(row, column, outdir):
     check(row, column, outdir)
 
 
@@ -162,27 +204,44 @@ def test_a_loss_scale_overflow_on_one_horovod_rank_is_skipped_by_every_rank(tmp_
     overflow_run([HOROVODRUN, *HOROVOD_ARGS, PYTHON, OVERFLOW, "horovod", str(tmp_path), tag], tmp_path, tag)
 
 
-def matrix(columns=None, rows=ROWS, outdir=None):
-    """Run every cell; the matrix as a markdown table: steps per epoch and max |dw| from plain Keras
-    (✓ within the column's tolerance, ✗ not, "fails" with the error)."""
+def matrix(columns=None, rows=None, outdir=None):
+    """Run every cell; the matrix as a markdown table: steps per epoch and max |dw| from plain Keras on the
+    row's backend (✓ within the column's tolerance, ✗ not, "fails" with the error, "-" not run)."""
     import tempfile
 
     outdir = outdir or tempfile.mkdtemp(prefix="kerasdist-equivalence-")
-    columns = columns or list(COLUMNS)
-    reference = {column: train(None, column, outdir) for column in columns}
-    lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|",
-             "| plain Keras (steps/epoch) | " + " | ".join(str(reference[c][0]) for c in columns) + " |",
-             "| tolerance | " + " | ".join(f"{tolerance(c, reference[c][1]):.2g}" for c in columns) + " |"]
+    rows = rows or ROWS + (tuple(TORCH_ROWS) if HAS_TORCH else ())
+    columns = columns or list(COLUMNS) + (list(TORCH_COLUMNS) if any(r in TORCH_ROWS for r in rows) else [])
+    references = {}
+
+    def reference(row, column):
+        key = (reference_of(row), column)
+        if key not in references:
+            references[key] = train(key[0], column, outdir)
+        return references[key]
+
+    plain_rows = [r for r in (None, "torch_plain") if any(reference_of(row) == r for row in rows)]
+    lines = ["| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for plain in plain_rows:
+        runs = [reference(plain, c) if c in columns_of(plain or "") else None for c in columns]
+        lines.append(f"| {plain or 'plain Keras'} (steps/epoch) | "
+                     + " | ".join(str(r[0]) if r else "-" for r in runs) + " |")
+        lines.append(f"| tolerance ({plain or 'plain Keras'}) | "
+                     + " | ".join(f"{tolerance(c, r[1]):.2g}" if r else "-" for c, r in zip(columns, runs)) + " |")
     for row in rows:
         cells = []
         for column in columns:
+            if column not in columns_of(row):
+                cells.append("-")
+                continue
+            expected_steps, expected = reference(row, column)
             try:
                 steps, weights = train(row, column, outdir)
             except AssertionError as exc:
                 cells.append("fails: " + str(exc).splitlines()[0].split(": ", 1)[-1][:70].replace("|", "/"))
                 continue
-            diff = max_difference(reference[column][1], weights)
-            ok = steps == reference[column][0] and diff <= tolerance(column, reference[column][1])
+            diff = max_difference(expected, weights)
+            ok = steps == expected_steps and diff <= tolerance(column, expected)
             cells.append(f"{steps} {diff:.2g} {'✓' if ok else '✗'}")
         lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -190,4 +249,6 @@ def matrix(columns=None, rows=ROWS, outdir=None):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    print(matrix(sys.argv[1:] or None))
+    wanted = sys.argv[1:]  # column names and/or row names; none: everything
+    all_rows = ROWS + tuple(TORCH_ROWS)
+    print(matrix([a for a in wanted if a not in all_rows] or None, tuple(a for a in wanted if a in all_rows) or None))

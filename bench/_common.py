@@ -1,0 +1,73 @@
+"""Pieces the multi-process benchmarks share: free loopback ports, a start barrier for independent
+processes, running a group of processes with a timeout (no orphans), the CPU description and medians."""
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def barrier():
+    """Independent processes (no cluster) start timing together, so that they compete for the CPUs."""
+    directory, count = os.environ.get("BENCH_BARRIER_DIR"), int(os.environ.get("BENCH_BARRIER_N", "1"))
+    if not directory:
+        return
+    open(os.path.join(directory, str(os.getpid())), "w").close()
+    while len(os.listdir(directory)) < count:
+        time.sleep(0.001)
+
+
+def run_processes(commands, environments, timeout, what, independent=False):
+    """Run one process per (command, environment), each in its own session; returns their outputs.
+    ``independent``: they share a start barrier (:func:`barrier`). Any process still running at the
+    timeout, or when another failed, is killed with its process group; a failure raises SystemExit."""
+    barrier_dir = tempfile.mkdtemp(prefix="bench-barrier-") if independent else None
+    procs = []
+    try:
+        for command, env in zip(commands, environments):
+            if barrier_dir:
+                env = dict(env, BENCH_BARRIER_DIR=barrier_dir, BENCH_BARRIER_N=str(len(commands)))
+            procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        if barrier_dir:
+            shutil.rmtree(barrier_dir, ignore_errors=True)
+    for proc, out in zip(procs, outputs):
+        if proc.returncode != 0:
+            raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-3000:]}")
+    return outputs
+
+
+def cpu_description():
+    """Model name, the vector flags that pick kernels (AVX2, AVX-512, VNNI), and the cores: results depend on them."""
+    try:
+        info = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return f"{os.cpu_count()} CPUs (no /proc/cpuinfo)"
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    vector = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile"))
+    return f"{model}; {' '.join(vector) or 'no AVX2'}; {os.cpu_count()} CPUs"
+
+
+def median(values):
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2

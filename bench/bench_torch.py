@@ -1,0 +1,215 @@
+"""Keras on PyTorch, 2 processes: ``fit(distribute="data_parallel")`` vs the keras.io guide's hand-written
+DDP loop, and the scaling, measured in one run on this machine.
+
+    python bench/bench_torch.py [--batch 2048] [--steps 12] [--warmup 3] [--rounds 1]
+
+Model: a 512-1024-10 MLP (``KERAS_BACKEND=torch``), SGD(0.01), sparse cross-entropy on logits, per-process
+batch ``--batch``; every process runs ``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=1``; gloo on
+loopback. Each process gets the variables torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, ...). Configurations:
+
+- 1 process, plain Keras ``fit`` (the scaling baseline);
+- 2 independent processes, plain ``fit``, no communication (the ceiling: what 2 processes could do);
+- 2 processes, ``fit`` with ``distribute="data_parallel"`` (kerasdist's torch plugin);
+- 2 processes, the guide "Multi-GPU distributed training with PyTorch" (keras.io): the Keras model wrapped
+  in ``torch.nn.parallel.DistributedDataParallel``, ``torch.optim.SGD``, ``torch.nn.CrossEntropyLoss``,
+  ``DistributedSampler`` + ``DataLoader``, a ``zero_grad``/``backward``/``step`` loop with ``loss.item()``.
+  The DataLoader's batches are made once before the clock starts (``--guide-loader live`` iterates it in the
+  loop, as the guide does: per-example collation then costs the guide time that fit does not spend), so the
+  comparison is of training steps and flatters the guide, not kerasdist.
+
+Prints each configuration's step time (the slowest process's), then hand-written / kerasdist (>= 1: kerasdist
+as fast or faster) and the ceiling / kerasdist ratio, with the CPU and the load average.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import barrier, cpu_description, free_ports, median, run_processes  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+FEATURES, HIDDEN, CLASSES = 512, 1024, 10
+
+
+# -- inside a worker process ------------------------------------------------------------
+
+def limit_threads():
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+
+
+def world():
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def make_data(global_batch, batches):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.random((global_batch * batches, FEATURES), dtype=np.float32)
+    y = rng.integers(0, CLASSES, size=(global_batch * batches,)).astype("int64")
+    return x, y
+
+
+def make_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(HIDDEN, activation="relu"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def worker_keras(args):
+    """Keras fit: plain (1 process, or independent processes) or distribute="data_parallel"."""
+    limit_threads()
+    import kerasdist  # noqa: F401
+    import keras
+
+    rank, size = world()
+    global_batch = args.batch * size
+    x, y = make_data(global_batch, args.warmup + args.steps)
+    model = make_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  distribute="data_parallel" if size > 1 else None)
+    times = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == args.warmup - 1:
+                barrier()
+            times.append(time.perf_counter())
+
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()])
+    assert len(times) == args.warmup + args.steps, f"{len(times)} steps ran"
+    report(times[args.warmup - 1:], global_batch, rank)
+
+
+def worker_guide(args):
+    """The keras.io guide's loop: DDP around the Keras model, torch optimizer and loss, gloo on CPU."""
+    limit_threads()
+    import torch
+
+    import keras  # noqa: F401  (the backend is torch: KERAS_BACKEND is set by the driver)
+
+    rank, size = world()
+    torch.distributed.init_process_group("gloo", init_method="env://", world_size=size, rank=rank)
+    x, y = make_data(args.batch * size, args.warmup + args.steps)
+    dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=size, rank=rank, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset, sampler=sampler, batch_size=args.batch, shuffle=False)
+    if args.guide_loader == "made":
+        loader = list(loader)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    times = []
+    for inputs, targets in loader:
+        outputs = ddp_model(inputs)
+        loss = loss_fn(outputs, targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        times.append(time.perf_counter())
+    assert len(times) == args.warmup + args.steps, f"{len(times)} steps ran"
+    report(times[args.warmup - 1:], args.batch * size, rank)
+    torch.distributed.destroy_process_group()
+
+
+def report(times, global_batch, rank):
+    if rank == 0 or os.environ.get("BENCH_BARRIER_DIR"):
+        step = (times[-1] - times[0]) / (len(times) - 1)
+        print("RESULT " + json.dumps({"step_s": step, "examples_per_s": global_batch / step}), flush=True)
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+def torchrun_environment(rank, size, port):
+    """The variables torchrun gives each process (a single node)."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
+                GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                TORCHELASTIC_RUN_ID="bench-torch")
+
+
+def run_config(role, processes, independent, args):
+    """Run one configuration; returns the slowest reporting process's result (synchronous training
+    goes at the pace of the slowest process)."""
+    port = free_ports(1)[0]
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
+    base = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
+    base.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3",
+                PYTHONUNBUFFERED="1")
+    environments = [dict(base) if independent else dict(base, **torchrun_environment(rank, processes, port))
+                    for rank in range(processes)]
+    command = [sys.executable, HERE, "--role", role, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--batch", str(args.batch), "--guide-loader", args.guide_loader]
+    outputs = run_processes([command] * processes, environments, args.timeout, f"{role} x{processes}",
+                            independent=independent)
+    results = [json.loads(line.split("RESULT ", 1)[1]) for out in outputs for line in out.splitlines()
+               if "RESULT " in line]
+    return max(results, key=lambda r: r["step_s"])
+
+
+CONFIGS = [  # (name, role, processes, independent)
+    ("1 process, plain Keras fit", "keras", 1, False),
+    ("2 independent processes, no communication (ceiling)", "keras", 2, True),
+    ("2 processes, fit(distribute='data_parallel')", "keras", 2, False),
+    ("2 processes, keras.io guide's hand-written DDP loop", "guide", 2, False),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", default="driver", choices=("driver", "keras", "guide"))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are reported")
+    parser.add_argument("--batch", type=int, default=2048, help="per-process batch size")
+    parser.add_argument("--guide-loader", default="made", choices=("made", "live"),
+                        help="made: the guide's DataLoader batches are made before timing; live: iterated in the loop")
+    parser.add_argument("--timeout", type=float, default=180)
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 2:
+        parser.error("--warmup must be >= 1 and --steps >= 2")
+    if args.role == "keras":
+        return worker_keras(args)
+    if args.role == "guide":
+        return worker_guide(args)
+
+    import torch  # noqa: F401  (only for the version line)
+
+    steps = {name: [] for name, *_ in CONFIGS}
+    print(f"CPU: {cpu_description()}")
+    print(f"torch {torch.__version__}; per-process batch {args.batch}, {FEATURES}-{HIDDEN}-{CLASSES} MLP, SGD, "
+          f"torch.set_num_threads(1) per process, gloo on loopback; {args.steps} timed steps after {args.warmup} "
+          f"warm-up; {args.rounds} round(s); guide loader: {args.guide_loader}; "
+          f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    for round_number in range(args.rounds):
+        order = CONFIGS if round_number % 2 == 0 else CONFIGS[::-1]
+        for name, role, processes, independent in order:
+            result = run_config(role, processes, independent, args)
+            steps[name].append(result["step_s"])
+            print(f"  round {round_number + 1}: {name:<55} step {result['step_s'] * 1000:8.1f} ms", flush=True)
+    print(f"\nmedians (load average at end {os.getloadavg()[0]:.2f}):")
+    base = median(steps[CONFIGS[0][0]])
+    for name, _, processes, _ in CONFIGS:
+        step = median(steps[name])
+        print(f"  {name:<55} step {step * 1000:8.1f} ms  {args.batch * processes / step:9.0f} examples/s  "
+              f"scaling {processes * base / step:.2f}x")
+    ceiling, ours, guide = (median(steps[name]) for name, *_ in CONFIGS[1:4])
+    print(f"\nstep time, hand-written guide loop / distribute='data_parallel': {guide / ours:.3f} "
+          "(>= 1 means kerasdist is as fast or faster)")
+    print(f"step time, ceiling (2 processes, no communication) / distribute='data_parallel': {ceiling / ours:.3f} "
+          "(1 = communication costs nothing)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
