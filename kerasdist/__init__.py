@@ -11,7 +11,7 @@ from .errors import (BackendError, ClusterConfigError, DuplicatePluginError, Ker
                      PluginUnavailableError, PluginValidationError, PluginWarning, StrategyConflictError,
                      UnknownPluginError)
 from .exporting import ExportResult, export
-from .hookspecs import hookimpl
+from .hookspecs import StrategyLike, hookimpl
 from .specs import OptimizationSpec, Plan, PluginSpec, StrategySpec
 
 __version__ = "0.1.0"
@@ -20,7 +20,7 @@ __all__ = [
     "BackendError", "ClusterConfigError", "ClusterInfo", "DuplicatePluginError", "ExportResult", "KerasdistError",
     "LaunchWorker", "OptimizationSpec", "Plan", "PluginSpec", "PluginUnavailableError", "PluginValidationError",
     "PluginWarning", "cluster_hint_variables",
-    "StrategyConflictError", "StrategySpec", "UnknownPluginError", "detect_cluster", "export",
+    "StrategyConflictError", "StrategyLike", "StrategySpec", "UnknownPluginError", "detect_cluster", "export",
     "hookimpl", "is_chief", "list_plugins", "load_plain", "register_plugin", "spec", "split_cpu", "strategy_of",
     "unregister_plugin",
 ]
@@ -126,10 +126,10 @@ def _setup():
 
 def _patch_keras(keras_module):
     from .integration import install
-    from .manager import get_system
+    from .manager import keras_imported
 
     install()
-    get_system().hook.kerasdist_keras_imported(keras=keras_module)
+    keras_imported(keras_module)
 
 
 def _process_start_wanted():

@@ -21,11 +21,35 @@ spec first, then each optimization spec, in the order given); an
 implementation returns ``None``/does nothing for specs that are not its own.
 """
 
+import typing
+
 import pluggy
 
 PROJECT = "kerasdist"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@typing.runtime_checkable
+class StrategyLike(typing.Protocol):
+    """What kerasdist's core needs from a strategy that is not a ``tf.distribute.Strategy``
+    (``kerasdist_create_strategy`` on JAX, PyTorch, ...): ``scope()`` only.
+
+    ``scope()`` returns a context manager. The core enters it while it makes compile's optimizer,
+    while ``kerasdist_prepare_model``, ``kerasdist_adjust_compile`` and Keras's ``compile`` run, while
+    ``kerasdist_prepare_dataset`` and ``kerasdist_adjust_call`` run, and while ``load_model`` rebuilds a
+    model saved with ``distribute=``. It does not enter it around Keras's own ``fit``/``evaluate``/
+    ``predict``: a plugin that needs it there enters it in ``kerasdist_run_call``.
+
+    Optional: ``num_replicas_in_sync``, how many replicas train in sync (plugins read it with
+    ``getattr(strategy, "num_replicas_in_sync", 1)``; ``keras.distribution.Distribution`` has none).
+    The core touches nothing else: such a strategy's plugin places the model's variables itself
+    (``kerasdist_prepare_model``); devices, collective keys and the Keras-version checks of
+    tf.distribute strategies do not apply.
+    """
+
+    def scope(self):
+        """A context manager under which the model is compiled and calls are prepared."""
 
 
 # -- registration -------------------------------------------------------------
@@ -91,10 +115,17 @@ def kerasdist_auto_strategy(cluster):
 
 @hookspec(firstresult=True)
 def kerasdist_create_strategy(spec, cluster):
-    """Create the ``tf.distribute.Strategy`` for ``spec``; None if ``spec`` is not yours.
+    """Create the strategy for ``spec``; None if ``spec`` is not yours.
+
+    Return a ``tf.distribute.Strategy`` (TensorFlow backend: the core moves the model and its optimizer
+    under it), or any object that meets :class:`kerasdist.StrategyLike`: a ``scope()`` context manager
+    and nothing else (a ``keras.distribution.Distribution`` on JAX; a plugin's own object on PyTorch).
+    An object without a callable ``scope`` is refused at compile with a
+    :class:`kerasdist.PluginValidationError` naming the spec.
 
     Stops at the first non-None result. Called once per distinct spec per process:
-    the strategy is reused by every later ``compile`` with an equal spec.
+    the strategy is reused by every later ``compile`` with an equal spec (until
+    ``kerasdist.process_state.reset()``).
 
     :param spec: the :class:`kerasdist.StrategySpec` being resolved.
     :param cluster: the detected :class:`kerasdist.ClusterInfo`.
@@ -122,12 +153,25 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 # -- fit / evaluate / predict -------------------------------------------------
 
 @hookspec(firstresult=True)
-def kerasdist_prepare_dataset(dataset, method, model, strategy, spec):
-    """Return a replacement for a ``tf.data.Dataset`` input (shard, rebatch), or None.
+def kerasdist_prepare_dataset(dataset, kind, method, model, strategy, spec):
+    """Return a replacement for an input that holds whole batches (shard, rebatch), or None.
 
-    Stops at the first non-None result. Called for ``x`` and, in ``fit``, for a
-    ``validation_data`` Dataset (with ``method="evaluate"``); other inputs pass through.
+    Stops at the first non-None result. Called for ``x`` and, in ``fit``, for ``validation_data``
+    of these kinds (with ``method="evaluate"``), each named by ``kind``:
 
+    - ``"tf.data"``: a ``tf.data.Dataset``;
+    - ``"py_dataset"``: a ``keras.utils.PyDataset``;
+    - ``"generator"``: a Python generator (a replacement cannot look at its batches without
+      consuming them: wrap it);
+    - ``"torch_dataloader"``: a ``torch.utils.data.DataLoader``.
+
+    Not called for in-memory data (NumPy arrays, backend tensors, and lists, tuples and dicts of
+    them; a ``validation_data`` tuple): there ``x`` holds only the features and ``y`` and
+    ``sample_weight`` are other arguments, so change them together in ``kerasdist_adjust_call``
+    (``kerasdist.plugin_tools.arrays_as_dataset`` turns them into one ``tf.data.Dataset``).
+    An implementation returns None for kinds it does not handle.
+
+    :param kind: one of the kinds above.
     :param method: "fit", "evaluate" or "predict".
     """
 
@@ -165,9 +209,12 @@ def kerasdist_process_start(cluster, environ):
 
 # -- Keras objects --------------------------------------------------------------
 
-@hookspec
+@hookspec(historic=True)
 def kerasdist_keras_imported(keras):
-    """Called once per process when Keras is imported (or at ``import kerasdist`` if it already was).
+    """Called once per plugin when Keras is imported (or at ``import kerasdist`` if it already was).
+
+    Historic: a plugin registered after Keras was imported (``kerasdist.register_plugin``, a plugin
+    system built anew) is called when it registers.
 
     Register what must exist before a saved model is loaded, e.g. the layer classes a plugin's
     models serialize (``keras.saving.register_keras_serializable``), so that

@@ -4,7 +4,13 @@ TensorFlow: kerasdist patches Keras when the user imports it, and splits the CPU
 import importlib.abc
 import sys
 
-_waiting = {}
+from . import process_state
+
+
+def _callbacks():
+    """Top-level module name -> callbacks waiting for its import. Kept across ``process_state.reset()``:
+    a forgotten callback would never run (Keras imported later would not be patched)."""
+    return process_state.slot("kerasdist.import_callbacks", dict, keep=True)
 
 
 def when_imported(name, callback):
@@ -13,7 +19,7 @@ def when_imported(name, callback):
     if module is not None:
         callback(module)
         return
-    _waiting.setdefault(name, []).append(callback)
+    _callbacks().setdefault(name, []).append(callback)
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
 
@@ -22,7 +28,8 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the loader the other finders return for a watched name."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in _waiting:
+        waiting = _callbacks()
+        if name not in waiting:
             return None
         spec = _find_with_others(self, name, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
@@ -33,9 +40,9 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
             exec_module(module)
             # popped only now: importlib.util.find_spec() probes (TensorFlow, Horovod do) find specs
             # that are never executed
-            for callback in _waiting.pop(name, ()):
+            for callback in waiting.pop(name, ()):
                 callback(module)
-            if not _waiting and self in sys.meta_path:
+            if not waiting and self in sys.meta_path:
                 sys.meta_path.remove(self)
 
         spec.loader.exec_module = exec_then_call

@@ -8,11 +8,17 @@ extra work is one attribute lookup per call.
 import functools
 import inspect
 
+from . import process_state
 from . import saving as _saving
 from . import session as _session
 
 METHODS = ("fit", "evaluate", "predict")
-_originals = {}
+
+
+def _originals():
+    """name -> (class, Keras's own method) while patched. Kept across ``process_state.reset()``: the
+    patches stay on Keras's classes until :func:`uninstall`."""
+    return process_state.slot("kerasdist.keras_patches", dict, keep=True)
 
 
 def install():
@@ -22,21 +28,23 @@ def install():
     backend-independent Trainer): Keras compares ``type(model).compile`` with that
     class's to tell a user-overridden ``compile``, e.g. when loading a saved model.
     """
-    if _originals:
+    originals = _originals()
+    if originals:
         return
     wrappers = {"compile": _make_compile, "get_compile_config": _make_get_compile_config,
                 "compile_from_config": _make_compile_from_config, **{name: _make_call(name) for name in METHODS}}
     for name, wrap in wrappers.items():
         owner = _defining_class(name)
-        _originals[name] = (owner, owner.__dict__[name])
+        originals[name] = (owner, owner.__dict__[name])
         setattr(owner, name, wrap(owner.__dict__[name]))
 
 
 def uninstall():
     """Restore Keras's own methods."""
-    for name, (owner, method) in _originals.items():
+    originals = _originals()
+    for name, (owner, method) in originals.items():
         setattr(owner, name, method)
-    _originals.clear()
+    originals.clear()
 
 
 def _defining_class(name):
@@ -46,7 +54,7 @@ def _defining_class(name):
 
 
 def original(name):
-    return _originals[name][1]
+    return _originals()[name][1]
 
 
 def _make_compile(original_compile):

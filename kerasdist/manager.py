@@ -65,6 +65,17 @@ class PluginSystem:
             self.pm.add_hookcall_monitoring(_trace_before, _trace_after)
         if load_entrypoints:
             self._load_entrypoints()
+        self._keras_announced = False
+        imported = _keras_imported()
+        if imported:  # Keras came before this system: its plugins (and later ones) hear it all the same
+            self.announce_keras(imported[0])
+
+    def announce_keras(self, keras_module):
+        """Call ``kerasdist_keras_imported`` (historic: plugins registered later are called when they
+        register); once per system."""
+        if not self._keras_announced:
+            self._keras_announced = True
+            self.pm.hook.kerasdist_keras_imported.call_historic(kwargs={"keras": keras_module})
 
     @property
     def hook(self):
@@ -120,6 +131,11 @@ class PluginSystem:
             if self.pm.is_registered(plugin):
                 self.pm.unregister(plugin)
             raise PluginValidationError(f"Plugin {name!r} is not valid: {_explain(exc)}") from exc
+        except Exception as exc:  # its kerasdist_keras_imported, called at registration (historic)
+            if self.pm.is_registered(plugin):
+                self.pm.unregister(plugin)
+            raise PluginValidationError(
+                f"Plugin {name!r} failed in kerasdist_keras_imported: {type(exc).__name__}: {exc}") from exc
         self.packages[name] = (package, version)
         try:
             self._run_registration(name)
@@ -204,6 +220,19 @@ def _trace_after(outcome, hook_name, hook_impls, kwargs):
     else:
         result = _summary("result", outcome.get_result())
     sys.stderr.write(f"kerasdist trace: {hook_name} returned {result}\n")
+
+
+def _keras_imported():
+    """[the keras module] once Keras was imported and kerasdist patched it (kept: that is for good)."""
+    return process_state.slot("kerasdist.keras_imported", list, keep=True)
+
+
+def keras_imported(keras_module):
+    """Keras is imported: tell the plugin system, and every system built from now on."""
+    imported = _keras_imported()
+    if not imported:
+        imported.append(keras_module)
+    get_system().announce_keras(keras_module)
 
 
 def _holder():

@@ -4,17 +4,32 @@ import contextlib
 import inspect
 import sys
 import threading
+import types
 
 from . import _keras_internals as internals
+from . import process_state
 from ._keras_internals.collectives import keep_collectives_apart
 from .errors import KerasdistError, PluginValidationError, StrategyConflictError
 from .manager import get_system
 from .resolve import is_tf_strategy, resolve_plan
 from .specs import StrategyInstance, spec_key
 
-_strategies = {}
-_inside_keras = threading.local()
+_inside_keras = threading.local()  # per call (Keras's own nested fit/evaluate), not process state
 _strategies_lock = threading.Lock()
+
+
+class _Strategies:
+    """The strategies this process created, by spec key, and the local ones that run collective ops:
+    ``(spec, strategy, devices)``. Reset by ``process_state.reset()``: every later compile creates its
+    strategy anew, and a new MirroredStrategy gets collective keys of its own (``keep_collectives_apart``),
+    so it cannot disturb the strategies of models compiled before."""
+
+    def __init__(self):
+        self.by_key, self.collective_owners = {}, []
+
+
+def _created():
+    return process_state.slot("kerasdist.strategies", _Strategies)
 
 
 def strategy_for(spec, cluster, system):
@@ -27,19 +42,18 @@ def strategy_for(spec, cluster, system):
         return spec.strategy
     key = spec_key(spec)
     with _strategies_lock:
-        if key not in _strategies:
+        strategies = _created().by_key
+        if key not in strategies:
             strategy = system.hook.kerasdist_create_strategy(spec=spec, cluster=cluster)
             if strategy is None:
                 raise PluginValidationError(
                     f"Strategy {spec.name!r} is registered but no plugin's kerasdist_create_strategy "
                     f"returned a strategy for {spec!r}.")
+            _check_strategy_like(spec, strategy)
             _check_no_collective_overlap(spec, strategy)
             keep_collectives_apart(strategy)
-            _strategies[key] = strategy
-        return _strategies[key]
-
-
-_collective_owners = []  # (spec, strategy, devices) of the local strategies that run collective ops
+            strategies[key] = strategy
+        return strategies[key]
 
 
 def _check_no_collective_overlap(spec, strategy):
@@ -51,7 +65,8 @@ def _check_no_collective_overlap(spec, strategy):
     from .devices import canonical_devices
 
     devices = set(canonical_devices(strategy.extended.worker_devices))
-    for other_spec, _, other_devices in _collective_owners:
+    owners = _created().collective_owners
+    for other_spec, _, other_devices in owners:
         shared = devices & other_devices
         if shared:
             raise StrategyConflictError(
@@ -59,7 +74,15 @@ def _check_no_collective_overlap(spec, strategy):
                 f"{other_spec!r} already uses in this process; TensorFlow's collective ops cannot serve two "
                 "strategies on the same devices (they abort each other). Use the same options as before, or "
                 "train the other configuration in another process.")
-    _collective_owners.append((spec, strategy, devices))
+    owners.append((spec, strategy, devices))
+
+
+def _check_strategy_like(spec, strategy):
+    if not is_tf_strategy(strategy) and not callable(getattr(strategy, "scope", None)):
+        raise PluginValidationError(
+            f"kerasdist_create_strategy returned {type(strategy).__name__} for {spec!r}, which has no scope() "
+            "method: return a tf.distribute.Strategy or an object meeting kerasdist.StrategyLike (a scope() "
+            "context manager).")
 
 
 class NoStrategy:
@@ -119,7 +142,7 @@ class Session:
         with self.strategy.scope():
             call_kwargs["x"] = self._prepare_dataset(call_kwargs.get("x"), method, model)
             validation = call_kwargs.get("validation_data")
-            if method == "fit" and _is_dataset(validation):
+            if method == "fit" and input_kind(validation) is not None:
                 call_kwargs["validation_data"] = self._prepare_dataset(validation, "evaluate", model)
             self.each_spec("kerasdist_adjust_call", method=method, call_kwargs=call_kwargs, model=model)
 
@@ -140,15 +163,35 @@ class Session:
         return call(**call_kwargs)
 
     def _prepare_dataset(self, value, method, model):
-        """Run ``kerasdist_prepare_dataset`` over every spec for a tf.data input (others pass through)."""
-        if not _is_dataset(value):
+        """Run ``kerasdist_prepare_dataset`` over every spec for an input holding whole batches (see
+        :func:`input_kind`; in-memory arrays pass through)."""
+        kind = input_kind(value)
+        if kind is None:
             return value
         for spec in self.plan.specs:
             replaced = self.system.hook.kerasdist_prepare_dataset(
-                dataset=value, method=method, model=model, strategy=self.strategy, spec=spec)
+                dataset=value, kind=kind, method=method, model=model, strategy=self.strategy, spec=spec)
             if replaced is not None:
-                value = replaced
+                value, kind = replaced, input_kind(replaced)
+                if kind is None:
+                    break
         return value
+
+
+def input_kind(value):
+    """The ``kind`` ``kerasdist_prepare_dataset`` is called with for ``value``: "tf.data", "py_dataset",
+    "generator" or "torch_dataloader"; None for anything else (in-memory arrays). Imports nothing."""
+    if _is_dataset(value):
+        return "tf.data"
+    if isinstance(value, types.GeneratorType):
+        return "generator"
+    keras, torch = sys.modules.get("keras"), sys.modules.get("torch")
+    if keras is not None and isinstance(value, keras.utils.PyDataset):
+        return "py_dataset"
+    data = getattr(getattr(torch, "utils", None), "data", None)
+    if data is not None and isinstance(value, data.DataLoader):
+        return "torch_dataloader"
+    return None
 
 
 def _check_not_empty(method, x):

@@ -81,9 +81,9 @@ class Recorder:
         self._seen("kerasdist_adjust_compile", spec=spec, keys=sorted(compile_kwargs))
 
     @kerasdist.hookimpl
-    def kerasdist_prepare_dataset(self, dataset, method, spec):
-        self._seen("kerasdist_prepare_dataset", method=method, spec=spec)
-        if isinstance(spec, Record) and method == "fit":
+    def kerasdist_prepare_dataset(self, dataset, kind, method, spec):
+        self._seen("kerasdist_prepare_dataset", method=method, spec=spec, kind=kind)
+        if isinstance(spec, Record) and method == "fit" and kind == "tf.data":
             return dataset.take(2)
 
     @kerasdist.hookimpl
@@ -191,6 +191,44 @@ def test_hook_kerasdist_prepare_dataset(recorder):
     model.fit(_dataset(), validation_data=_dataset(), verbose=0)  # validation Dataset: method "evaluate"
     assert [c["method"] for c in recorder.called("kerasdist_prepare_dataset")][-4:] == [
         "fit", "fit", "evaluate", "evaluate"]
+    assert {c["kind"] for c in recorder.called("kerasdist_prepare_dataset")} == {"tf.data"}
+
+
+class _Batches(keras.utils.PyDataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        return np.ones((4, 4), "float32"), np.ones((4, 1), "float32")
+
+
+def _generator():
+    while True:
+        yield np.ones((4, 4), "float32"), np.ones((4, 1), "float32")
+
+
+@pytest.mark.parametrize("make,kind", [(_Batches, "py_dataset"), (_generator, "generator")])
+def test_hook_kerasdist_prepare_dataset_sees_every_input_holding_whole_batches(recorder, make, kind):
+    """A PyDataset or a generator is passed with its kind (x, and fit's validation_data); a
+    replacement the hook returns is what Keras trains on; in-memory arrays are not passed."""
+    model = _compiled(recorder)
+    replaced = []
+
+    class Replacer:
+        @kerasdist.hookimpl(tryfirst=True)
+        def kerasdist_prepare_dataset(self, dataset, kind, method):
+            if kind != "tf.data" and method == "fit":
+                replaced.append(kind)
+                return _dataset().take(3)
+
+    kerasdist.register_plugin(Replacer(), name="replacer")
+    model.fit(make(), steps_per_epoch=2, validation_data=make(), validation_steps=1, verbose=0)
+    seen = [(c["kind"], c["method"]) for c in recorder.called("kerasdist_prepare_dataset")]
+    # x: the replacer (first) for the strategy's spec, then the next spec gets its tf.data replacement
+    assert replaced == [kind] and seen == [("tf.data", "fit"), (kind, "evaluate"), (kind, "evaluate")]
+    assert int(model.optimizer.iterations.numpy()) == 2  # the record spec's take(2) of the replacement
+    model.fit(np.ones((8, 4)), np.ones((8, 1)), validation_data=(np.ones((4, 4)), np.ones((4, 1))), verbose=0)
+    assert len(recorder.called("kerasdist_prepare_dataset")) == 3 and replaced == [kind]
 
 
 def test_hook_kerasdist_adjust_call(recorder):
@@ -248,6 +286,30 @@ def test_hook_kerasdist_keras_imported(tmp_path):
         out = run(python("-c", code), timeout=120, env=child_env(PYTHONPATH=str(tmp_path))).stdout
         assert out.count("KERAS_IMPORTED keras True") == 1, out
         assert out.index("KERASDIST") < out.index("KERAS_IMPORTED")
+
+
+def test_hook_kerasdist_keras_imported_is_historic(fresh_system):
+    """Keras is imported in this process already: a plugin registered now hears it at registration,
+    once; a plugin failing there is refused, naming the hook."""
+    heard = []
+
+    class Late:
+        @kerasdist.hookimpl
+        def kerasdist_keras_imported(self, keras):
+            heard.append(keras)
+
+    class Broken:
+        @kerasdist.hookimpl
+        def kerasdist_keras_imported(self, keras):
+            raise RuntimeError("no")
+
+    kerasdist.register_plugin(Late(), name="late")
+    assert heard == [keras]
+    kerasdist.register_plugin(Recorder(), name="recorder")  # no kerasdist_keras_imported: nothing re-runs
+    assert heard == [keras]
+    with pytest.raises(kerasdist.PluginValidationError, match="'broken' failed in kerasdist_keras_imported"):
+        kerasdist.register_plugin(Broken(), name="broken")
+    assert "broken" not in dict(fresh_system.pm.list_name_plugin())
 
 
 def test_kerasdist_command_never_runs_process_start(tmp_path):

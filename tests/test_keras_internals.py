@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from kerasdist import KerasdistError
 from kerasdist import _keras_internals as internals
-from kerasdist._keras_internals import versions
+from kerasdist._keras_internals import multiworker_fit, versions
 
 
 def test_running_keras_is_a_checked_version():
@@ -101,7 +101,7 @@ def test_a_keras_lacking_a_piece_is_one_error_at_compile_naming_the_version(monk
 
 def test_multiworker_fixes_patch_nothing_on_a_keras_lacking_a_piece(monkeypatch):
     """At ``import kerasdist`` in a worker: no error there (compile raises it), and Keras left as it is."""
-    installed = bool(internals._multiworker_patches)
+    installed = bool(multiworker_fit._patches())
     internals.uninstall_multiworker_fit_fixes()
     try:
         monkeypatch.setattr(versions, "_keras_version", lambda: "3.99.0")
@@ -110,7 +110,7 @@ def test_multiworker_fixes_patch_nothing_on_a_keras_lacking_a_piece(monkeypatch)
         trainer, build = versions.owner_of("tf_trainer_build")
         original = getattr(trainer, build)
         assert internals.install_multiworker_fit_fixes() is False
-        assert getattr(trainer, build) is original and not internals._multiworker_patches
+        assert getattr(trainer, build) is original and not multiworker_fit._patches()
         with pytest.raises(KerasdistError, match="3.99.0.*tf_reduce_per_replica"):
             versions.require(*versions.pieces_needed_by("multiworker"))
     finally:
@@ -187,7 +187,7 @@ def test_multiworker_fit_fixes_replace_and_restore_keras_functions():
     tf_trainer, _ = versions.owner_of("tf_reduce_per_replica")  # the trainer's module
     assert trainer in keras.Model.__mro__
 
-    installed = bool(internals._multiworker_patches)
+    installed = bool(multiworker_fit._patches())
     internals.uninstall_multiworker_fit_fixes()
     try:
         original_build, original_reduce = trainer._maybe_symbolic_build, tf_trainer.reduce_per_replica
@@ -345,11 +345,11 @@ def test_log_summer_replaces_the_per_log_reduce_for_float_scalars():
     internals.set_log_summer(strategy, 2, summed)
     try:
         logs = {"loss": tf.constant(3.0), "count": tf.constant(4)}
-        means = internals._mean_over_workers(logs, strategy)
+        means = multiworker_fit._mean_over_workers(logs, strategy)
         assert calls == [1] and float(means["loss"]) == 3.0 and int(means["count"]) == 4
     finally:
         internals.set_log_summer(strategy, 0, None)
-    assert id(strategy) not in internals._log_summers
+    assert id(strategy) not in multiworker_fit._log_summers()
 
 
 def test_fit_still_builds_through_maybe_symbolic_build_and_scales_the_loss_with_the_optimizer():
@@ -469,10 +469,10 @@ def test_keras_metric_updates_are_assign_of_the_sum_and_summed_once_when_patched
     assert Variable in keras.Variable.__mro__  # keras.Variable is the TF backend's class or a subclass
 
     assert "self.assign(self + value)" in inspect.getsource(keras.src.backend.common.variables.Variable.assign_add)
-    installed_before = bool(central._keras_variable_patches)  # by a cached central_storage strategy
+    installed_before = bool(central._patches())  # by a cached central_storage strategy
     strategy = _central_storage()
     internals.assign_state_from_first_replica(strategy)
-    assert Variable.assign_add is not central._keras_variable_patches["assign_add"]
+    assert Variable.assign_add is not central._patches()["assign_add"]
     with strategy.scope():
         metric = keras.metrics.Sum()
 

@@ -13,7 +13,13 @@ Keras 3 writes some variables from inside the replicas and relies on the per-rep
 The functions below give those writes MirroredStrategy's results.
 """
 
-_keras_variable_patches = {}
+from .. import process_state
+
+
+def _patches():
+    """Keras's own ``assign_add``/``assign_sub`` while patched. Kept across ``process_state.reset()``: the
+    patches stay on the Variable class (models compiled before need them) until uninstalled."""
+    return process_state.slot("kerasdist.summed_metric_patches", dict, keep=True)
 
 
 def assign_state_from_first_replica(strategy):
@@ -55,7 +61,8 @@ def install_summed_metric_updates():
     Keras 3.16), ``Variable._value`` (its tf.Variable) and
     ``tensorflow.python.distribute.ps_values.AggregatingVariable``.
     """
-    if _keras_variable_patches:
+    patches = _patches()
+    if patches:
         return
     import tensorflow as tf
     from tensorflow.python.distribute import ps_values
@@ -78,7 +85,7 @@ def install_summed_metric_updates():
 
         return update
 
-    _keras_variable_patches.update(assign_add=Variable.assign_add, assign_sub=Variable.assign_sub)
+    patches.update(assign_add=Variable.assign_add, assign_sub=Variable.assign_sub)
     Variable.assign_add = summed(Variable.assign_add, lambda v, x: v.assign_add(x))
     Variable.assign_sub = summed(Variable.assign_sub, lambda v, x: v.assign_sub(x))
 
@@ -88,10 +95,10 @@ def uninstall_summed_metric_updates():
     from .versions import locate
 
     Variable = locate("tf_variable")
-
-    for name, original in _keras_variable_patches.items():
+    patches = _patches()
+    for name, original in patches.items():
         setattr(Variable, name, original)
-    _keras_variable_patches.clear()
+    patches.clear()
 
 
 def update_loss_scale_once_per_step(optimizer):

@@ -13,10 +13,18 @@ import itertools
 import sys
 import threading
 
+from .. import process_state
+
 #: Group keys kerasdist gives out: far above TensorFlow's default (1) and its tests' bases (multiples of 100000).
 _FIRST_BASE, _BASE_STEP = 1 << 24, 1 << 10
-_bases = itertools.count(_FIRST_BASE, _BASE_STEP)
 _lock = threading.Lock()
+
+
+def _bases():
+    """The next collective key bases. Kept across ``process_state.reset()``: TensorFlow's runtime remembers
+    every key it ran for the life of the process, so a base is never given out twice."""
+    return process_state.slot("kerasdist.collective_key_bases", lambda: itertools.count(_FIRST_BASE, _BASE_STEP),
+                              keep=True)
 _MARK = "_kerasdist_own_collective_keys"
 
 
@@ -45,7 +53,7 @@ def keep_collectives_apart(strategy):
                for group in table.values() for key in group.values()):
             return False  # already traced collectives with these keys
         default_ops = extended._cross_device_ops is extended._collective_ops
-        extended._collective_key_base = next(_bases)
+        extended._collective_key_base = next(_bases())
         extended._collective_ops = extended._make_collective_ops_with_fallbacks()
         if default_ops:  # no cross_device_ops given: the strategy all-reduces with its collective ops
             extended._cross_device_ops = extended._collective_ops

@@ -255,3 +255,14 @@ def _summed_moments(layer, local_moments, sum_across):
 def all_layers(model):
     """Every layer of ``model``, nested ones included (``Layer._flatten_layers``, private; Keras 3.15)."""
     return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+# -- evaluate()'s return value (horovod) ------------------------------------------------------------
+
+def flatten_metrics_in_order(model, logs):
+    """What ``evaluate()`` returns without ``return_dict=True``, made from its ``logs`` dict:
+    the values in metric order, or the one value (``Trainer._flatten_metrics_in_order``)."""
+    from .versions import require
+
+    require("trainer_flatten_metrics")
+    return model._flatten_metrics_in_order(logs)

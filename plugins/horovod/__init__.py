@@ -22,11 +22,12 @@ Launch with ``horovodrun -np 2 -H localhost:2 python train.py``; the script only
 Each rank is one replica: the strategy is TensorFlow's default strategy.
 """
 
+import itertools
 import sys
 import warnings
 
 import kerasdist
-from kerasdist.plugin_tools import keras_backend
+from kerasdist.plugin_tools import is_dataset, keras_backend, process_state
 
 from .cluster import detect
 from .options import (BUILD_COMMAND, CPU_DEFAULTS, HOROVOD_VERSION, Horovod, check_options, check_runtime,
@@ -120,12 +121,13 @@ def kerasdist_create_strategy(spec, cluster):
     return tf.distribute.get_strategy()
 
 
-_optimizers_wrapped = 0
+def _wrap_numbers():
+    """Numbers the optimizers this process wraps, from 1: the same on every rank running the same script."""
+    return process_state.slot("horovod.optimizer_numbers", lambda: itertools.count(1))
 
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, spec):
-    global _optimizers_wrapped
     if not isinstance(spec, Horovod):
         return
     import horovod.tensorflow as hvd
@@ -144,9 +146,8 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
             f"horovod: backward_passes_per_step={spec.backward_passes_per_step} and the optimizer's "
             f"gradient_accumulation_steps={optimizer.gradient_accumulation_steps} both accumulate "
             "gradients; use one of them (backward_passes_per_step also saves all-reduces).")
-    _optimizers_wrapped += 1  # the same count on every rank running the same script
     previous = optimizer.__dict__.get("_kerasdist_horovod")
-    reducer = GradientReducer(hvd, spec, name=f"kerasdist_gradients_{_optimizers_wrapped}")
+    reducer = GradientReducer(hvd, spec, name=f"kerasdist_gradients_{next(_wrap_numbers())}")
     reducer.lr_scaled = getattr(previous, "lr_scaled", False)
     distribute_optimizer(optimizer, reducer)
     reducer.count_rows(model)  # weights each rank's gradient by its rows: uneven parts train as one batch
@@ -171,7 +172,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
 
 @kerasdist.hookimpl
 def kerasdist_prepare_dataset(dataset, method, spec):
-    if not isinstance(spec, Horovod) or not spec.shard or method == "predict":
+    if not isinstance(spec, Horovod) or not spec.shard or method == "predict" or not is_dataset(dataset):
         return None
     import horovod.tensorflow as hvd
 

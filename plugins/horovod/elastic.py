@@ -3,6 +3,7 @@
 import logging
 
 import kerasdist
+from kerasdist.plugin_tools import process_state
 from .callbacks import CommitStateCallback, state_variables
 from .options import import_horovod
 
@@ -75,9 +76,6 @@ def elastic_run(func):
     return run_fn(wrapper, reset)
 
 
-_elastic_state_class = None
-
-
 def KerasElasticState(model, epoch=0, **kwargs):  # noqa: N802  (makes the class on first use)
     """Horovod elastic state of a Keras 3 model: weights, optimizer variables, ``epoch`` (+ kwargs).
 
@@ -92,9 +90,9 @@ def KerasElasticState(model, epoch=0, **kwargs):  # noqa: N802  (makes the class
 
 
 def elastic_state_class():
-    """The :func:`KerasElasticState` class (a ``horovod.common.elastic.ObjectState``)."""
-    global _elastic_state_class
-    if _elastic_state_class is None:
+    """The :func:`KerasElasticState` class (a ``horovod.common.elastic.ObjectState``), made on first use."""
+    made = process_state.slot("horovod.elastic_state_class", list)
+    if not made:
         import_horovod()
         from horovod.common.elastic import ObjectState
 
@@ -144,5 +142,5 @@ def elastic_state_class():
                 self.model.make_train_function(force=True)
 
         _KerasElasticState.__name__ = _KerasElasticState.__qualname__ = "KerasElasticState"
-        _elastic_state_class = _KerasElasticState
-    return _elastic_state_class
+        made.append(_KerasElasticState)
+    return made[0]

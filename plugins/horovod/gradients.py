@@ -3,6 +3,7 @@
 import weakref
 
 import kerasdist
+from kerasdist.plugin_tools import process_state
 
 from .options import compression_name, is_compressor, op_name
 
@@ -158,7 +159,10 @@ class _AllreduceOptimizerMixin:
         return reducer.apply(self, super().apply, list(grads), trainable_variables)
 
 
-_distributed_classes = {}
+def _distributed_classes():
+    """Optimizer class -> its all-reducing subclass (a cache: after ``process_state.reset()`` a new
+    subclass is made; optimizers already given the old one keep it, and it still all-reduces)."""
+    return process_state.slot("horovod.distributed_classes", dict)
 
 
 def distribute_optimizer(optimizer, reducer):
@@ -169,10 +173,11 @@ def distribute_optimizer(optimizer, reducer):
     """
     cls = type(optimizer)
     if not issubclass(cls, _AllreduceOptimizerMixin):
-        if cls not in _distributed_classes:
-            _distributed_classes[cls] = type(cls.__name__, (_AllreduceOptimizerMixin, cls),
-                                             {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        object.__setattr__(optimizer, "__class__", _distributed_classes[cls])
+        classes = _distributed_classes()
+        if cls not in classes:
+            classes[cls] = type(cls.__name__, (_AllreduceOptimizerMixin, cls),
+                                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        object.__setattr__(optimizer, "__class__", classes[cls])
     object.__setattr__(optimizer, "_kerasdist_horovod", reducer)  # outside Keras/TF tracking
     optimizer.__dict__.pop(_REDUCED_BY_WRAPPER, None)
     return optimizer

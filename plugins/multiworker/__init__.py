@@ -12,7 +12,7 @@ import os
 
 import kerasdist
 from kerasdist import ClusterConfigError
-from kerasdist.plugin_tools import keras_backend, number_from_env
+from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env
 
 from .gradients import gradient_transport, use_ring
 from .join import TooLate, check_port_free, join_cluster, state
@@ -144,7 +144,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_prepare_dataset(dataset, spec):
-    if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto":
+    if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None
     import tensorflow as tf
 

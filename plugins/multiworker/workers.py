@@ -8,18 +8,16 @@ import tempfile
 
 import keras
 
-from kerasdist.plugin_tools import arrays_as_dataset
+from kerasdist.plugin_tools import arrays_as_dataset, process_state
 
 from .options import SCRATCH_DIR_VAR
 
 
-_fits = [0]
-
-
 def count_fit():
     """The index of this fit call in this process (the same on every worker)."""
-    _fits[0] += 1
-    return _fits[0] - 1
+    fits = process_state.slot("multiworker.fits", lambda: [0])
+    fits[0] += 1
+    return fits[0] - 1
 
 
 #: Callback attributes naming where a callback writes; non-chief workers write under scratch.
@@ -64,15 +62,14 @@ def shuffle_arrays_alike(call_kwargs, seed):
         arrays_as_dataset(call_kwargs, seed)
 
 
-_scratch = []
-
-
 def scratch_dir():
-    """A per-process temporary directory for a non-chief worker's writes, removed at exit."""
-    if not _scratch:
+    """A per-process temporary directory for a non-chief worker's writes, removed at exit (kept across
+    ``process_state.reset()``: one directory a process)."""
+    made = process_state.slot("multiworker.scratch_dir", list, keep=True)
+    if not made:
         root = os.environ.get(SCRATCH_DIR_VAR) or None
         if root:
             os.makedirs(root, exist_ok=True)
-        _scratch.append(tempfile.mkdtemp(prefix="kerasdist-worker-", dir=root))
-        atexit.register(shutil.rmtree, _scratch[0], True)
-    return _scratch[0]
+        made.append(tempfile.mkdtemp(prefix="kerasdist-worker-", dir=root))
+        atexit.register(shutil.rmtree, made[0], True)
+    return made[0]

@@ -1,0 +1,112 @@
+"""Keras 3's TensorFlow trainer under a multi-worker MultiWorkerMirroredStrategy: its first-batch build
+and its log reduction (part of kerasdist._keras_internals)."""
+
+from .. import process_state
+from . import versions
+
+# -- multi-worker (MultiWorkerMirroredStrategy) --------------------------------
+#
+# Stock Keras 3.15 + TF 2.21 cannot ``fit`` under a multi-worker strategy
+# (keras-team/keras#20585, tensorflow/tensorflow#72388): ``_maybe_symbolic_build``
+# reduces a PerReplica data batch across workers, and ``reduce_per_replica``
+# reduces scalar logs with ``axis=0``. Both paths always raise under a
+# multi-worker MultiWorkerMirroredStrategy, so the patches below only change
+# code paths that cannot work today; every other strategy takes Keras's code.
+
+def _patches():
+    """What the installed fixes replaced: name -> (owner, attribute, Keras's own). Kept across
+    ``process_state.reset()``: the patches stay on Keras's classes until uninstalled."""
+    return process_state.slot("kerasdist.multiworker_fit_patches", dict, keep=True)
+
+
+def is_multiworker_strategy(strategy):
+    """True for a MultiWorkerMirroredStrategy spanning more than this process."""
+    import tensorflow as tf
+
+    return (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+            and strategy.extended._in_multi_worker_mode())
+
+
+def install_multiworker_fit_fixes():
+    """Make Keras 3's TF trainer work under a multi-worker strategy (idempotent); True once installed.
+
+    Runs when a worker joins its cluster, at ``import kerasdist``: on a Keras that lacks a piece it
+    replaces (``versions.PIECES``) it changes nothing and returns False, and compiling under the
+    multi-worker strategy raises the KerasdistError naming that piece."""
+    patches = _patches()
+    if patches:
+        return True
+    if versions.missing("tf_trainer_build", "tf_reduce_per_replica"):
+        return False
+    import tensorflow as tf
+    from keras import tree
+
+    trainer, build_name = versions.owner_of("tf_trainer_build")
+    trainer_module, reduce_name = versions.owner_of("tf_reduce_per_replica")
+    original_build = getattr(trainer, build_name)
+    original_reduce = getattr(trainer_module, reduce_name)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        strategy = self._distribute_strategy
+        if strategy is None or iterator is None or not is_multiworker_strategy(strategy):
+            return original_build(self, iterator=iterator, data_batch=data_batch)
+        for _, _, it in iterator:  # only shapes matter: this worker's first replica batch
+            data_batch = tree.map_structure(
+                lambda v: (strategy.experimental_local_results(v)[0]
+                           if isinstance(v, tf.distribute.DistributedValues) else v),
+                next(it))
+            break
+        with strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction in ("auto", "mean") and is_multiworker_strategy(strategy):
+            return _mean_over_workers(values, strategy)
+        return original_reduce(values, strategy, reduction)
+
+    patches["build"] = (trainer, build_name, original_build)
+    patches["reduce"] = (trainer_module, reduce_name, original_reduce)
+    setattr(trainer, build_name, _maybe_symbolic_build)
+    setattr(trainer_module, reduce_name, reduce_per_replica)
+    return True
+
+
+def _mean_over_workers(values, strategy):
+    """Keras's per-step logs averaged over the workers: float scalars through the strategy's
+    log summer when one is set (one message for all of them), the rest by ``strategy.reduce``."""
+    from keras import tree
+
+    flat = tree.flatten(values)
+    summer = _log_summers().get(id(strategy))
+    local = [strategy.experimental_local_results(v) for v in flat]
+    fast = [i for i, v in enumerate(flat) if summer is not None and len(local[i]) == 1
+            and local[i][0].shape.rank == 0 and local[i][0].dtype.is_floating]
+    means = [None if i in fast else strategy.reduce("MEAN", v, axis=None if v.shape.rank == 0 else 0)
+             for i, v in enumerate(flat)]
+    if fast:
+        for i, total in zip(fast, summer[1]([local[i][0] for i in fast])):
+            means[i] = total / summer[0]
+    return tree.pack_sequence_as(values, means)
+
+
+def _log_summers():
+    """id(strategy) -> (number of workers, function summing a list of tensors over the workers). Reset by
+    ``process_state.reset()``: logs are then averaged by TensorFlow's reduce, which gives the same means."""
+    return process_state.slot("kerasdist.log_summers", dict)
+
+
+def set_log_summer(strategy, workers, sum_tensors):
+    """Average ``fit``/``evaluate`` logs under ``strategy`` with ``sum_tensors`` (None: TensorFlow's reduce)."""
+    if sum_tensors is None:
+        _log_summers().pop(id(strategy), None)
+    else:
+        _log_summers()[id(strategy)] = (workers, sum_tensors)
+
+
+def uninstall_multiworker_fit_fixes():
+    """Restore Keras's own functions (tests)."""
+    patches = _patches()
+    for key in ("build", "reduce"):
+        if key in patches:
+            owner, name, original = patches.pop(key)
+            setattr(owner, name, original)

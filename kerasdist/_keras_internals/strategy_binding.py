@@ -1,0 +1,144 @@
+"""Moving Keras objects built elsewhere under a tf.distribute strategy (part of kerasdist._keras_internals).
+
+Keras 3 binds a model to the tf.distribute strategy that is current when the model object is constructed
+(``Trainer._distribute_strategy``) and an optimizer to the strategy current in its ``__init__``
+(``TFOptimizer._distribution_strategy``). kerasdist moves objects built elsewhere under a strategy, which
+needs those private attributes and ``Variable._initialize``.
+"""
+
+import contextlib
+
+from ..variables import unique_variables
+from . import versions
+from .multiworker_fit import is_multiworker_strategy
+
+_MODEL_STRATEGY_ATTR = "_distribute_strategy"
+_OPTIMIZER_STRATEGY_ATTR = "_distribution_strategy"
+
+
+def bound_strategy(model):
+    """The strategy the model was built under, or None for the default strategy."""
+    return getattr(model, _MODEL_STRATEGY_ATTR, None)
+
+
+def bind_model(model, strategy):
+    """Record ``strategy`` as the model's strategy, as construction under its scope would."""
+    setattr(model, _MODEL_STRATEGY_ATTR, strategy)
+
+
+@contextlib.contextmanager
+def unbound_from_strategy(model):
+    """Run Keras's own loops for ``model`` as if it had been built outside any strategy."""
+    import tensorflow as tf
+
+    bound = bound_strategy(model)
+    bind_model(model, tf.distribute.get_strategy())
+    try:
+        yield model
+    finally:
+        bind_model(model, bound)
+
+
+def optimizer_strategy(optimizer):
+    return getattr(optimizer, _OPTIMIZER_STRATEGY_ATTR, None)
+
+
+def _move_variables(variables, strategy):
+    """Re-create each Keras variable's backing tf.Variable under ``strategy``.
+
+    The keras.Variable objects keep their identity (layers, optimizers and
+    callbacks hold references to them); only the backing value moves. A tensor
+    (not a tf.Variable) must be passed to ``_initialize``: given a tf.Variable it
+    silently keeps the old, non-distributed one.
+    """
+    import tensorflow as tf
+
+    with strategy.scope():
+        for variable in variables:
+            if getattr(variable, "_value", None) is None:
+                continue  # not created yet: it will be created under the scope
+            current = variable._value
+            if _belongs_to(current, strategy):
+                continue
+            variable._initialize(tf.convert_to_tensor(current.read_value()))
+
+
+def _belongs_to(tf_variable, strategy):
+    """True when the backing variable already lives under ``strategy`` (a plain
+    tf.Variable lives under the default strategy)."""
+    import tensorflow as tf
+
+    distribute = getattr(tf_variable, "_distribute_strategy", None)
+    if distribute is not None:
+        return distribute is strategy
+    return strategy is None or (strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy())
+
+
+def move_to_strategy(model, strategy, optimizer=None):
+    """Move ``model`` (weights, non-trainable state, seed generators, compiled
+    metrics) and ``optimizer`` (built or not, trained or not) under ``strategy``,
+    values preserved, and bind both to it. Raises a KerasdistError first when this Keras lacks a private
+    piece that training under ``strategy`` needs (called by every ``compile`` under a tf.distribute strategy)."""
+    versions.require(*versions.pieces_needed_by(*_piece_users(strategy)))
+    optimizers = optimizer_chain(optimizer)
+    old_keys = {id(o): _trainable_keys(o) for o in optimizers}
+    variables = _all_model_variables(model)
+    for opt in optimizers:
+        variables += list(opt.variables)
+    _move_variables(unique_variables(variables), strategy)
+    bind_model(model, strategy)
+    for opt in optimizers:
+        setattr(opt, _OPTIMIZER_STRATEGY_ATTR, strategy)
+        _rekey_optimizer(opt, old_keys[id(opt)])
+
+
+def _piece_users(strategy):
+    """Who needs private pieces when training under ``strategy`` (``versions.Piece.needed_by``)."""
+    import tensorflow as tf
+
+    users = ["tf"]
+    if is_multiworker_strategy(strategy):
+        users.append("multiworker")
+    if isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
+        users.append("central_storage")
+    return users
+
+
+def optimizer_chain(optimizer):
+    """``optimizer`` and the optimizers it wraps (a LossScaleOptimizer's inner one), outermost first."""
+    chain = []
+    while optimizer is not None:
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer
+    return chain
+
+
+def _trainable_keys(optimizer):
+    return [optimizer._var_key(v) for v in getattr(optimizer, "_trainable_variables", [])]
+
+
+def _rekey_optimizer(optimizer, old_keys):
+    """A built optimizer indexes its variables by the backing tf.Variable's id,
+    which moving changes: rebuild that index, the weight-decay exclusions and the per-variable
+    weight-decay dict (``versions.INSTANCE_ATTRIBUTES["optimizer_weight_decay_by_key"]``)."""
+    if not getattr(optimizer, "built", False):
+        return
+    new_keys = _trainable_keys(optimizer)
+    optimizer._trainable_variables_indices = {k: i for i, k in enumerate(new_keys)}
+    renamed = dict(zip(old_keys, new_keys))
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+    if excluded:
+        optimizer._exclude_from_weight_decay = {renamed.get(k, k) for k in excluded}
+    by_key = versions.instance_attribute("optimizer_weight_decay_by_key")
+    decays = getattr(optimizer, by_key, None)
+    if decays is not None:
+        setattr(optimizer, by_key, {renamed.get(k, k): decay for k, decay in decays.items()})
+
+
+def _all_model_variables(model):
+    return unique_variables(list(model.variables) + list(_metric_variables(model)))
+
+
+def _metric_variables(model):
+    for metric in getattr(model, "metrics", []) or []:
+        yield from metric.variables
