@@ -23,7 +23,7 @@ TORCH_WHEELS ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS))
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench bench-horovod venv lock check-lock test-latest test-keras-nightly clean
+.PHONY: demo test bench bench-horovod bench-torch venv lock check-lock test-latest test-keras-nightly clean
 
 $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
 	bash .ci/system_packages.sh
@@ -84,6 +84,9 @@ bench: $(STAMP)
 
 bench-horovod: $(STAMP)
 	$(PY) bench/bench_horovod.py
+
+bench-torch: $(STAMP)
+	$(PY) bench/bench_torch.py --rounds 3
 
 clean:
 	rm -rf $(VENV) .venv-latest .venv-keras-nightly build *.egg-info

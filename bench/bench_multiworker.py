@@ -16,24 +16,16 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import barrier, cpu_description, free_ports, median  # noqa: E402
+
 HERE = os.path.abspath(__file__)
 PER_WORKER_BATCH = int(os.environ.get("BENCH_PER_WORKER_BATCH", "4096"))  # the driver's --batch, in every process
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 # -- inside a worker process ------------------------------------------------------------
@@ -131,16 +123,6 @@ def worker_custom_loop(args):
     report(times[args.warmup - 1:], global_batch, None, chief=resolver.task_id == 0)
 
 
-def barrier():
-    """Independent processes (no cluster) start timing together, so that they compete for the CPUs."""
-    directory, count = os.environ.get("BENCH_BARRIER_DIR"), int(os.environ.get("BENCH_BARRIER_N", "1"))
-    if not directory:
-        return
-    open(os.path.join(directory, str(os.getpid())), "w").close()
-    while len(os.listdir(directory)) < count:
-        time.sleep(0.001)
-
-
 def report(times, global_batch, cluster, chief=None):
     chief = cluster.is_local or cluster.is_chief if chief is None else chief
     if chief or os.environ.get("BENCH_BARRIER_DIR"):
@@ -200,24 +182,6 @@ FULL_CONFIGS = [
     ("2 workers, multiworker, ring, bytes_per_pack=256 KiB", "keras", 2,
      {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 18)}),
 ]
-
-
-def cpu_description():
-    """Model name, the vector flags that pick kernels (AVX2, AVX-512, VNNI), and the cores: results depend on them."""
-    try:
-        info = open("/proc/cpuinfo").read().splitlines()
-    except OSError:
-        return f"{os.cpu_count()} CPUs (no /proc/cpuinfo)"
-    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    vector = sorted(f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile"))
-    return f"{model}; {' '.join(vector) or 'no AVX2'}; {os.cpu_count()} CPUs"
-
-
-def median(values):
-    values = sorted(values)
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def main():
