@@ -1,17 +1,13 @@
-"""Deprecated path of the ONNX and TensorRT exporters, now :mod:`kerasdist_plugins.export.onnx` (plugin
-``onnx``) and :mod:`kerasdist_plugins.export.tensorrt` (plugin ``tensorrt``). Kept as an alias for one
-release; not a plugin."""
+"""Deprecated path of the ONNX and TensorRT exporters, now :mod:`.export.onnx` (plugin ``onnx``) and
+:mod:`.export.tensorrt` (plugin ``tensorrt``). An alias for one release, not a plugin."""
 
 import warnings
 
-from .export import onnx as _onnx, tensorrt as _tensorrt
+from .export.onnx import (INT8_SCHEMES, VNNI_FLAGS, X86_MACHINES, auto_int8_scheme, cpu_flags,  # noqa: F401
+                          export_onnx, export_onnx_int8, quantize_qdq, resolve_int8_scheme, run_onnxruntime,
+                          write_onnx)
+from .export.tensorrt import (NVIDIA_DEVICE_GLOB, PRECISIONS, build_engine, export_tensorrt,  # noqa: F401
+                              tensorrt_absent_reason)
 
-warnings.warn("kerasdist_plugins.tensorrt is deprecated: import kerasdist_plugins.export.onnx or "
-              "kerasdist_plugins.export.tensorrt", DeprecationWarning, stacklevel=2)
-
-
-def __getattr__(name):
-    for module in (_tensorrt, _onnx):
-        if not name.startswith("kerasdist_") and hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module 'kerasdist_plugins.tensorrt' has no attribute {name!r}")
+warnings.warn(f"{__name__} is deprecated: import {__package__}.export.onnx or {__package__}.export.tensorrt",
+              DeprecationWarning, stacklevel=2)

@@ -14,7 +14,7 @@ HOROVODRUN = os.path.join(os.path.dirname(PYTHON), "horovodrun")
 
 
 def _nvidia_gpu():
-    from kerasdist_plugins import tensorrt
+    from kerasdist_plugins.export import tensorrt
 
     reason = tensorrt.tensorrt_absent_reason()
     return f"needs an NVIDIA GPU and the tensorrt package ({reason})" if reason else None

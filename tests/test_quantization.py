@@ -117,3 +117,42 @@ def teardown_module():
     for (format, int8_io), (size, delta, agreement, reference) in sorted(FIGURES.items()):
         print(f"\n{format}{' int8-io' if int8_io else ''}: {size} B, max|delta| {delta:.3g} "
               f"(max|y| {reference:.3g}), argmax agreement {agreement:.3f}", end="")
+
+
+# -- the exporters' plugin names and module paths (renamed for what they write) -------------------
+
+@pytest.mark.parametrize("variable, value, gone, kept", [
+    ("KERASDIST_DISABLE_PLUGINS", "quantization", {"litert", "litert-int8"}, {"onnx", "onnx-int8"}),
+    ("KERASDIST_DISABLE_PLUGINS", "tensorrt", {"onnx", "onnx-int8", "tensorrt"}, {"litert", "litert-int8"}),
+    ("KERASDIST_DISABLE_PLUGINS", "litert", {"litert", "litert-dynamic"}, {"onnx", "tensorrt"}),
+    ("KERASDIST_LOAD_PLUGINS", "quantization", {"onnx", "tensorrt"}, {"litert", "litert-float16"}),
+])
+def test_the_old_plugin_names_still_select_the_renamed_exporters(variable, value, gone, kept):
+    from kerasdist.manager import PluginSystem
+
+    formats = set(PluginSystem(environ={variable: value}).registry.names(("export",)))
+    assert not gone & formats and kept <= formats
+
+
+def test_the_old_module_paths_are_aliases_of_the_exporter_plugins():
+    import kerasdist.exporting
+    from kerasdist_plugins import quantization, tensorrt
+    from kerasdist_plugins.export import litert, onnx, tensorrt as tensorrt_exporter
+
+    assert quantization.run_litert is litert.run_litert and quantization.LITERT_FORMATS is litert.LITERT_FORMATS
+    assert quantization.compare_outputs is kerasdist.exporting.compare_outputs
+    assert tensorrt.quantize_qdq is onnx.quantize_qdq
+    assert tensorrt.tensorrt_absent_reason is tensorrt_exporter.tensorrt_absent_reason
+    assert not hasattr(quantization, "kerasdist_register_exporters")  # an alias, never a second plugin
+
+
+def test_tracing_names_the_valid_modes():
+    from kerasdist.exporting import TRACE_MODES, trace_mode, tracing
+
+    with pytest.raises(kerasdist.KerasdistError, match=r"tracing\(mode='int4'\): choose one of 'train', 'float', "
+                                                       r"'litert', 'onnx'"):
+        with tracing("int4"):
+            pass
+    with tracing("onnx"):
+        assert trace_mode() == "onnx"
+    assert trace_mode() == "train" and TRACE_MODES[0] == "train"

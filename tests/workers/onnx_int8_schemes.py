@@ -16,7 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kerasdist  # noqa: E402
-from kerasdist_plugins import tensorrt  # noqa: E402
+from kerasdist_plugins.export import onnx as onnx_exporter  # noqa: E402
 
 RUN_ONNX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "onnxruntime_run.py")
 
@@ -42,13 +42,13 @@ def main():
     model, data = build_test_model()
     x = data[64:]
     expected = model(x).numpy()
-    print(f"auto here: {tensorrt.auto_int8_scheme()}; max|y| {np.max(np.abs(expected)):.3g}")
+    print(f"auto here: {onnx_exporter.auto_int8_scheme()}; max|y| {np.max(np.abs(expected)):.3g}")
     print(f"{'path':<22} {'scheme':<10} {'max|diff|':>9} {'argmax':>7}")
     with tempfile.TemporaryDirectory() as folder:
-        for scheme in tensorrt.INT8_SCHEMES:
+        for scheme in onnx_exporter.INT8_SCHEMES:
             path = os.path.join(folder, f"{scheme}.onnx")
             kerasdist.export(model, path, format="onnx-int8", representative_data=data[:64], int8_scheme=scheme)
-            for where, got in (("native (this CPU)", tensorrt.run_onnxruntime(path, x)),
+            for where, got in (("native (this CPU)", onnx_exporter.run_onnxruntime(path, x)),
                                ("AVX2 (qemu Haswell)", on_avx2_cpu(path, x, folder))):
                 agreement = np.mean(got.argmax(-1) == expected.argmax(-1))
                 print(f"{where:<22} {scheme:<10} {np.max(np.abs(got - expected)):>9.4f} {agreement:>7.4f}")

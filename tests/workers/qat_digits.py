@@ -84,7 +84,7 @@ def run(weights="per_channel", distribute=None, float_epochs=20, qat_epochs=4, f
     import keras
 
     import kerasdist
-    from kerasdist_plugins.quantization import run_litert
+    from kerasdist_plugins.export.litert import run_litert
 
     folder = folder or tempfile.mkdtemp()
     x, y, x_test, y_test = digits()
