@@ -326,7 +326,7 @@ def test_a_model_compiled_with_tensorrt_sparsity_saves_and_loads_its_plan_once(t
     ("KERASDIST_LOAD_PLUGINS", "mirrored,qat", r"no loaded plugin registers; not loaded here: .*plugin 'pruning' "
                                                r"\(disabled by KERASDIST_DISABLE_PLUGINS / KERASDIST_LOAD_PLUGINS"),
     ("KERASDIST_DISABLE_PLUGINS", "prune", r"of plugin 'pruning', which cannot run here: disabled by "),
-])
+], ids=["disable-pruning", "load-without-pruning", "disable-the-prune-name"])
 def test_tensorrt_sparsity_without_the_prune_plugin_fails_at_compile_naming_it(variable, value, why):
     """The allow/deny lists hold: qat reaches pruning only through the plan, so without it nothing prunes."""
     from kerasdist.manager import PluginSystem, get_system, reset_system
