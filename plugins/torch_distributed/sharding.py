@@ -67,6 +67,7 @@ def register_fsdp(register):
 def create_fsdp_group(spec, cluster):
     if not isinstance(spec, FullySharded):
         return None
+    check_trainer_leaves_distribution_to_us()  # before any rendezvous
     return ShardedGroup(join(cluster, spec.backend, spec.timeout_s))
 
 
@@ -95,6 +96,21 @@ def shard_optimizer(compile_kwargs, model, strategy, spec):
     if optimizer.built:  # built before compile: its slots are full copies until sharded here
         _shard_slots(optimizer, strategy)
     optimizer.apply = _replicating(optimizer.apply)
+
+
+def check_trainer_leaves_distribution_to_us():
+    """A Keras whose torch trainer wraps the model in DistributedDataParallel and sums every metric over the
+    ranks by itself (3.16, keras-team/keras#23316) would fight fsdp's sharded weights: one clear error."""
+    from kerasdist.plugin_tools import keras_wraps_ddp
+
+    if keras_wraps_ddp():
+        import keras
+
+        raise KerasdistError(
+            f"fsdp: Keras {keras.__version__}'s torch trainer wraps the model in DistributedDataParallel and "
+            "all-reduces its metrics by itself, which DTensor-sharded weights do not support; on this Keras use "
+            "distribute=\"data_parallel\" (or keras.distribution.ModelParallel), or install Keras 3.15 "
+            "(pip install 'keras>=3.15,<3.16') for fsdp.")
 
 
 def shard_variable(variable, mesh):

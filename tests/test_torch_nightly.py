@@ -1,0 +1,61 @@
+"""Keras 3.16 (keras-nightly): its torch trainer wraps the model in DistributedDataParallel by itself once
+torch.distributed is initialised (keras-team/keras#23316). kerasdist must then never wrap a model twice nor
+average gradients a second time: training equals one process. Run by ``make test-keras-nightly``; skipped on
+Keras 3.15 (whose trainer has no DDP: the torch equivalence rows cover it).
+"""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from helpers import PYTHON, ROOT, child_env, finish, free_port, run, start
+
+
+def keras_version():
+    from kerasdist._keras_internals.versions import installed_keras_version
+
+    return installed_keras_version() or "0"
+
+
+def is_316_or_later(version):
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2])
+    return (major, minor) >= (3, 16)
+
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
+              pytest.mark.skipif(not is_316_or_later(keras_version()),
+                                 reason=f"Keras {keras_version()}: the trainer's own DDP comes with 3.16 "
+                                        "(make test-keras-nightly)")]
+
+WORKER = os.path.join(ROOT, "tests", "workers", "torch_nightly_ddp.py")
+
+
+def torch_env(**extra):
+    return dict(KERAS_BACKEND="torch", OMP_NUM_THREADS=1, TF_CPP_MIN_LOG_LEVEL=3, **extra)
+
+
+@pytest.mark.timeout(400)
+def test_the_trainers_own_ddp_wraps_once_and_training_equals_one_process(tmp_path):
+    plain = str(tmp_path / "plain")
+    run([PYTHON, WORKER, plain, "none"], timeout=180, env=child_env(**torch_env()))
+    out, port = str(tmp_path / "ddp"), free_port()
+    procs = [start([PYTHON, WORKER, out, "data_parallel"], **torch_env(
+        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        for rank in range(2)]
+    for code, output in finish(procs, timeout=240):
+        assert code == 0, output[-4000:]
+    expected = np.load(f"{plain}-rank0.npz")
+    for rank in range(2):
+        got = np.load(f"{out}-rank{rank}.npz")
+        print(f"rank {rank}: DDP wraps per module {got['wrapped'].tolist()}, kerasdist averaging "
+              f"{int(got['kerasdist_averages'])}")
+        assert int(got["wrapped"].max()) <= 1, "a module was wrapped in DistributedDataParallel twice"
+        assert int(got["ddp_of_ddp"]) == 0, "a DistributedDataParallel was wrapped in another"
+        assert int(got["kerasdist_averages"]) == 0, "kerasdist averaged gradients the trainer's DDP averages"
+        difference = max(float(np.abs(expected[f"w{i}"] - got[f"w{i}"]).max())
+                         for i in range(sum(n.startswith("w") and n[1:].isdigit() for n in expected.files)))
+        print(f"rank {rank}: max |w - w_one_process| = {difference:.3g}")
+        assert difference <= 1e-5

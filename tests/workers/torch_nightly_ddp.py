@@ -1,0 +1,57 @@
+"""Trains with ``distribute="data_parallel"`` on PyTorch and records every DistributedDataParallel that wraps a
+module, to check that kerasdist and a Keras whose torch trainer wraps the model in DDP itself (3.16) never
+wrap a model twice nor average its gradients twice.
+
+    KERAS_BACKEND=torch python torch_nightly_ddp.py OUT WORD    (WORD "none": one process, plain Keras)
+
+Writes OUT-rank{r}.npz: the weights, ``wrapped`` (how many DDPs wrapped each wrapped module, one entry per
+module), ``ddp_of_ddp`` (1 if a DDP wrapped a DDP), ``kerasdist_averages`` (1 if kerasdist installed its own
+gradient averaging on the optimizer).
+"""
+
+import collections
+import os
+import sys
+
+import kerasdist  # noqa: I001
+
+import keras
+import numpy as np
+import torch
+
+WRAPS = collections.Counter()
+NESTED = []
+
+
+def record_ddp():
+    original = torch.nn.parallel.DistributedDataParallel.__init__
+
+    def __init__(self, module, *args, **kwargs):
+        WRAPS[id(module)] += 1
+        NESTED.append(isinstance(module, torch.nn.parallel.DistributedDataParallel))
+        original(self, module, *args, **kwargs)
+
+    torch.nn.parallel.DistributedDataParallel.__init__ = __init__
+
+
+def main(out, word):
+    torch.set_num_threads(1)
+    record_ddp()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = np.tanh(x[:, :3]).astype("float32")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute=None if word == "none" else word)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute=None if word == "none" else word)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)  # a re-compile must not wrap again
+    rank = int(os.environ.get("RANK", "0"))
+    np.savez(f"{out}-rank{rank}.npz", wrapped=np.array(sorted(WRAPS.values()) or [0]),
+             ddp_of_ddp=np.array(int(any(NESTED))),
+             kerasdist_averages=np.array(int("_kerasdist_torch" in model.optimizer.__dict__)),
+             **{f"w{i}": np.asarray(w) for i, w in enumerate(model.get_weights())})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
