@@ -17,6 +17,7 @@ import kerasdist
 from kerasdist.plugin_tools import check_number, keras_backend, keras_wraps_ddp, synchronize_torch_batch_norm
 
 from . import group, launching  # the modules that use Keras are imported by the hooks (none at plugin loading)
+from .sharding import create_fsdp_group, register_fsdp, shard_model, shard_optimizer  # noqa: F401  distribute="fsdp"
 
 __all__ = ["TorchDataParallelSpec"]
 
