@@ -536,3 +536,34 @@ def test_mirrored_strategy_collective_keys_are_rebuilt_from_the_base_until_first
                                                    cross_device_ops=tf.distribute.ReductionToOneDevice())
     assert keep_collectives_apart(reduce_to_one)
     assert isinstance(reduce_to_one.extended._cross_device_ops, tf.distribute.ReductionToOneDevice)
+
+
+def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
+    """_keras_internals/torch.py and plugins/torch_distributed (in a torch process): the torch trainer's step
+    scales the loss through ``optimizer.scale_loss`` and updates through ``optimizer.apply`` (both wrapped per
+    instance); ``BatchNormalization._moments``/``_reduction_axes``, replaced by summed moments, give Keras's
+    own moments when the sum is over one process; this Keras does not wrap models in DDP itself."""
+    import subprocess
+    import sys
+
+    code = """
+import inspect, numpy as np, torch, keras
+from keras.src.backend.torch import trainer
+from kerasdist._keras_internals.torch import keras_wraps_ddp, synchronize_torch_batch_norm
+step = inspect.getsource(trainer.TorchTrainer.train_step)
+assert "self.optimizer.scale_loss(loss)" in step and "self.optimizer.apply(gradients, trainable_weights)" in step
+assert not keras_wraps_ddp()
+model = keras.Sequential([keras.Input((5, 3)), keras.layers.BatchNormalization()])
+layer = model.layers[0]
+x = torch.tensor(np.random.default_rng(0).normal(size=(4, 5, 3)), dtype=torch.float32)
+want = [t.numpy() for t in layer._moments(x, None)]
+assert synchronize_torch_batch_norm(model, lambda t: t) == 1
+got = [t.detach().numpy() for t in layer._moments(x, None)]
+for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-6)
+print("CONTRACT OK")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KERASDIST_")}
+    env["KERAS_BACKEND"] = "torch"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "CONTRACT OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

@@ -32,18 +32,24 @@ class TorchDataParallelSpec(kerasdist.StrategySpec):
         layer and step, and one in its backward pass).
     :param backend: the torch.distributed backend; None: gloo on CPU, NCCL when CUDA is available.
     :param timeout_s: how long a collective waits for the other ranks before failing (a hung rank).
+    :param backup: keep kerasdist's private BackupAndRestore backup of each ``fit`` (rank 0 writes it), so
+        that the job relaunched after a failure resumes at the epoch it was in.
+    :param backup_dir: where (visible to every rank); default: one folder per job under
+        KERASDIST_BACKUP_DIR, else ``~/.cache/kerasdist/backups``.
     """
 
     sync_batch_norm: bool = False
     backend: Optional[str] = None
     timeout_s: float = 300.0
+    backup: bool = True
+    backup_dir: Optional[str] = None
 
     def __post_init__(self):
         group.check_backend_name(self.backend)
         check_number(self.timeout_s, "timeout_s", "data_parallel (torch)", minimum=0, inclusive_minimum=False)
 
     def identity(self):
-        return ("torch", self.backend, self.timeout_s)
+        return ("torch", self.backend, self.timeout_s)  # one process group per process
 
 
 # -- registration, resolution, launch ---------------------------------------------------
@@ -124,9 +130,11 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         return
     from . import callbacks, data
 
-    callbacks.only_rank0_writes(method, call_kwargs, strategy.rank)
+    callbacks.only_rank0_writes(call_kwargs, strategy.rank)
     if strategy.world_size < 2 or method == "predict":
         return
+    if method == "fit":
+        callbacks.add_backup(call_kwargs, spec, model, strategy)
     name = f"{NAME} (torch)"
     if method == "fit":
         data.split_validation(call_kwargs)
@@ -156,6 +164,14 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
 
     if method == "predict":
         return predicting.predict(call, call_kwargs, strategy.rank, strategy.world_size)
+    if not model.built:  # built anywhere, or not yet: built here from a batch, then rank 0's values everywhere
+        from kerasdist.plugin_tools import symbolic_build
+
+        from .data import RankShare
+
+        x = call_kwargs.get("x")
+        if isinstance(x, RankShare) and len(x):
+            symbolic_build(model, x[0])
     if not keras_wraps_ddp():
         state = getattr(model, "_kerasdist_torch_bn_state", None) or training.StepState()
         training.install(model, model.optimizer, state)

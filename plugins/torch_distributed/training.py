@@ -1,11 +1,12 @@
 """What makes the ranks train as one device on the global batch: the same starting weights, gradients of
 the global mean loss, and the same (all-reduced) metrics in every rank.
 
-Gradients: each rank's loss (Keras's mean over its rows) is multiplied by its row count ``n_r`` before the
-backward pass (``optimizer.scale_loss``); ``optimizer.apply`` sums the gradients and the row counts of every
-rank in one ``all_reduce`` over one flat buffer and divides by the global count ``N``: the gradient of the
-global mean, ``sum_r (n_r / N) grad_r``, also when the ranks' shares differ (an uneven last batch) or one
-is empty. Because the weighting happens before backward, gradients that cross ranks through synchronized
+Gradients: each rank's loss (Keras's mean over its rows) is multiplied by ``n_r / u`` before the backward
+pass (``optimizer.scale_loss``), ``n_r`` its row count and ``u`` the largest share of the first step (the
+same in every rank, so a full batch weighs 1: float16 gradients are not inflated); ``optimizer.apply`` sums
+the gradients and the weights of every rank in one ``all_reduce`` over one flat buffer and divides by the
+summed weight: the gradient of the global mean, ``sum_r (n_r / N) grad_r``, also when the ranks' shares
+differ (an uneven last batch) or one is empty. Because the weighting happens before backward, gradients that cross ranks through synchronized
 BatchNormalization are weighted right too. Keras then applies its own clipping, loss scaling and gradient
 accumulation to that gradient, exactly as on one device.
 
@@ -25,6 +26,11 @@ class StepState:
 
     rows = 1
     placeholder = False
+    unit = None  # the largest share of the first training step, agreed by every rank
+
+    @property
+    def weight(self):
+        return self.rows / self.unit if self.unit else float(self.rows)
 
 
 def broadcast_from_rank0(variables):
@@ -72,6 +78,8 @@ def _train_step(model, original, state):
     def train_step(data):
         state.placeholder = is_placeholder(data)
         state.rows = 0 if state.placeholder else local_rows(data)
+        if state.unit is None:
+            state.unit = _largest(state.rows)
         if not state.placeholder:
             return original(data)
         return _placeholder_step(model, data)
@@ -98,6 +106,15 @@ def _placeholder_step(model, data):
     return model.get_metrics_result()
 
 
+def _largest(rows):
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(rows)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return max(float(value), 1.0)
+
+
 def _test_step(model, original):
     def test_step(data):
         if is_placeholder(data):
@@ -109,7 +126,7 @@ def _test_step(model, original):
 
 def _weighted_loss(original, state):
     def scale_loss(loss):
-        return original(loss) * float(state.rows)
+        return original(loss) * state.weight
 
     return scale_loss
 
@@ -122,16 +139,16 @@ def _averaged_apply(original, state):
         like = [g for g in grads if g is not None]
         device = like[0].device if like else "cpu"
         flat = torch.cat([g.reshape(-1).float() for g in like]
-                         + [torch.tensor([float(state.rows)], device=device)])
+                         + [torch.tensor([state.weight], device=device)])
         dist.all_reduce(flat)
-        total = flat[-1]
+        total = flat[-1] if float(flat[-1]) > 0 else torch.ones((), device=device)  # every share empty: no step
         averaged, at = [], 0
         for g in grads:
             if g is None:
                 averaged.append(None)
                 continue
             part = flat[at:at + g.numel()].reshape(g.shape)
-            averaged.append((part / torch.clamp(total, min=1.0)).to(g.dtype))
+            averaged.append((part / total).to(g.dtype))
             at += g.numel()
         return original(averaged, trainable_variables)
 

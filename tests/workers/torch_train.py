@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
 
@@ -32,6 +33,8 @@ def arguments():
     parser.add_argument("--sync-bn", action="store_true")
     parser.add_argument("--backup", default=None)
     parser.add_argument("--checkpoint", action="store_true")
+    parser.add_argument("--unbuilt", action="store_true", help="no Input: the model is built by fit")
+    parser.add_argument("--seed", type=int, default=1, help="rank 0's weight seed (rank r: seed + r)")
     return parser.parse_args()
 
 
@@ -42,9 +45,10 @@ def data(rows):
     return x, y
 
 
-def model(bn):
-    keras.utils.set_random_seed(1)
-    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
+def model(bn, unbuilt=False, seed=1):
+    keras.utils.set_random_seed(seed)
+    layers = [] if unbuilt else [keras.Input((8,))]
+    layers += [keras.layers.Dense(16, activation="relu")]
     if bn:
         layers.append(keras.layers.BatchNormalization())
     layers.append(keras.layers.Dense(1))
@@ -80,7 +84,7 @@ class KillInEpoch(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self._epoch + 1 == self.epoch and batch == 1 and os.environ.get("RANK") == "1":
-            print("rank 1: SIGKILL in epoch", self.epoch, flush=True)
+            print(f"rank 1: SIGKILL in epoch {self.epoch} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -91,7 +95,8 @@ def main():
     args = arguments()
     keras.mixed_precision.set_global_policy(args.policy)
     x, y = data(args.rows)
-    net = model(args.bn)
+    # each rank draws other initial weights: rank 0's must reach every rank (one process: rank 0's seed)
+    net = model(args.bn, args.unbuilt, args.seed + int(os.environ.get("RANK", "0")))
     distribute = None if args.distribute == "none" else (
         kerasdist.spec(args.distribute, sync_batch_norm=True) if args.sync_bn else args.distribute)
     optimizer = keras.optimizers.SGD(0.05, gradient_accumulation_steps=args.accumulate)
