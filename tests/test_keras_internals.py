@@ -169,6 +169,26 @@ def test_move_keeps_identity_and_values_and_mirrors_everything():
         optimizer._var_key(v) for v in model.trainable_variables}
 
 
+def test_move_to_mirrored_reuses_each_variable_as_its_first_component_and_copies_it_once():
+    """MirroredStrategy's creator asks the next creator for replica 0's component first, with the initial
+    value it was given, under replica 0's device, then for the others with a callable and a name ending in
+    "/replica_<i>/": moving relies on it to keep the old variable as component 0 (half the work)."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    model = _model()
+    model.layers[0].kernel.assign(np.arange(np.prod(model.layers[0].kernel.shape), dtype="float32").reshape(
+        model.layers[0].kernel.shape))
+    olds = [v.value for v in model.variables]
+    internals.move_to_strategy(model, strategy)
+    for variable, old in zip(model.variables, olds):
+        first, second = variable.value.values
+        assert first is old
+        assert "CPU:1" in second.device and second.name == old.name.split(":")[0] + "/replica_1:0"
+        assert second.trainable == old.trainable and second.dtype == old.dtype
+        np.testing.assert_array_equal(second.numpy(), old.numpy())
+    model.layers[0].kernel.assign(np.zeros(model.layers[0].kernel.shape, "float32"))  # mirrored: both change
+    assert not np.any(model.layers[0].kernel.value.values[1].numpy())
+
+
 def test_flatten_metrics_in_order_matches_evaluate():
     """Used by the horovod plugin to return averaged evaluate() results in Keras's order."""
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

@@ -47,20 +47,77 @@ def _move_variables(variables, strategy):
     """Re-create each Keras variable's backing tf.Variable under ``strategy``.
 
     The keras.Variable objects keep their identity (layers, optimizers and
-    callbacks hold references to them); only the backing value moves. A tensor
+    callbacks hold references to them); only the backing value moves. A callable
     (not a tf.Variable) must be passed to ``_initialize``: given a tf.Variable it
-    silently keeps the old, non-distributed one.
+    silently keeps the old, non-distributed one. Where the strategy puts its first
+    component on the old variable's device, the old variable becomes that component
+    (:func:`_reusing_first_components`): half the variables to create, no copy.
     """
-    import tensorflow as tf
-
-    with strategy.scope():
+    with _reusing_first_components() as reuse, strategy.scope():
         for variable in variables:
             if getattr(variable, "_value", None) is None:
                 continue  # not created yet: it will be created under the scope
             current = variable._value
             if _belongs_to(current, strategy):
                 continue
-            variable._initialize(tf.convert_to_tensor(current.read_value()))
+            variable._initialize(reuse.offer(current))
+
+
+class _FirstComponentReuse:
+    """What the creator below may reuse: the initial value it was given for one variable, and that variable."""
+
+    def __init__(self):
+        self.initial_value = self.variable = self.copying = None
+
+    def offer(self, variable):
+        """The initial value to give ``tf.Variable`` for ``variable``'s replacement: it reads ``variable``
+        only when called, which a component that reuses ``variable`` never does."""
+        self.variable, self.copying = variable, None
+        self.initial_value = variable.value  # bound method: a callable initial value
+        return self.initial_value
+
+
+@contextlib.contextmanager
+def _reusing_first_components():
+    """A variable creator entered outside the strategy's scope, so that it creates the components
+    (MirroredStrategy's ``_real_mirrored_creator`` calls the next creator once per device, the first
+    time with the initial value it was given, under that device). When it gets the offered initial
+    value on the old variable's own device it returns the old variable instead of a copy. Anything else
+    (other strategies, other devices, other variables) goes to the next creator unchanged."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    reuse = _FirstComponentReuse()
+
+    def creator(next_creator, **kwargs):
+        old, offered = reuse.variable, reuse.initial_value
+        if (offered is not None and kwargs.get("initial_value") is offered
+                and not isinstance(old, tf.distribute.DistributedValues)
+                and old.device == context.context().device_name
+                and kwargs.get("trainable", old.trainable) == old.trainable
+                and tf.as_dtype(kwargs.get("dtype") or old.dtype) == old.dtype):
+            reuse.initial_value = None  # once
+            reuse.copying = old
+            return old
+        if (reuse.copying is not None and callable(kwargs.get("initial_value"))
+                and str(kwargs.get("name", "")).endswith("/")):  # a later replica's copy of the first
+            return _copy_on_this_device(reuse.copying, kwargs)
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        yield reuse
+
+
+def _copy_on_this_device(variable, kwargs):
+    """A copy of ``variable`` on the current device, created uninitialized and then assigned (much less
+    Python than ``tf.Variable``'s initializer path)."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    copy = resource_variable_ops.UninitializedVariable(
+        shape=variable.shape, dtype=variable.dtype, name=kwargs["name"], trainable=kwargs.get("trainable", True),
+        synchronization=kwargs.get("synchronization"), aggregation=kwargs.get("aggregation"))
+    copy.assign(variable.value())
+    return copy
 
 
 def _belongs_to(tf_variable, strategy):
