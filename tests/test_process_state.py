@@ -71,3 +71,31 @@ def test_plugins_reach_it_through_the_toolkit():
     from kerasdist.plugin_tools import process_state as from_toolkit
 
     assert from_toolkit is process_state
+
+
+def test_reset_forgets_the_strategy_cache_and_models_compiled_before_still_train():
+    """After a reset a compile creates its strategy anew; it gets collective keys of its own, so the model
+    compiled before (on the old strategy) and the new one both train (no "Shape mismatch in the
+    collective instance")."""
+    import keras
+    import numpy as np
+
+    def compiled(width):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(width), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse", distribute="mirrored")
+        return model
+
+    x, y = np.ones((16, 3), "float32"), np.ones((16, 1), "float32")
+    before = compiled(4)
+    assert kerasdist_strategy(compiled(4)) is kerasdist_strategy(before)  # cached
+    process_state.reset()
+    after = compiled(7)
+    assert kerasdist_strategy(after) is not kerasdist_strategy(before)
+    for model in (before, after, before):
+        model.fit(x, y, batch_size=8, verbose=0)
+
+
+def kerasdist_strategy(model):
+    import kerasdist
+
+    return kerasdist.strategy_of(model)

@@ -13,7 +13,8 @@ Keras release changes a piece. This ``__init__`` only re-exports what kerasdist'
 - ``training``: what a training step and its variables need (uneven batches, gradient accumulation,
   synchronized batch statistics, JAX layouts, evaluate()'s list);
 - ``central``: replica writes to CentralStorageStrategy's variables; ``collectives``: MirroredStrategy's
-  collective keys; ``layers``: changing a built layer in place; ``ps``: the parameter-server strategy.
+  collective keys; ``layers``: changing a built layer in place; ``ps``: the parameter-server strategy;
+- ``torch``, ``torch_sharding``: the PyTorch backend's pieces (imported from them directly).
 """
 
 from .backup import make_chief_aware_backup  # noqa: F401
