@@ -207,7 +207,14 @@ def _generator():
         yield np.ones((4, 4), "float32"), np.ones((4, 1), "float32")
 
 
-@pytest.mark.parametrize("make,kind", [(_Batches, "py_dataset"), (_generator, "generator")])
+def _loader():
+    torch = pytest.importorskip("torch")
+    data = torch.utils.data.TensorDataset(torch.ones(8, 4), torch.ones(8, 1))
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+@pytest.mark.parametrize("make,kind", [(_Batches, "py_dataset"), (_generator, "generator"),
+                                       (_loader, "torch_dataloader")])
 def test_hook_kerasdist_prepare_dataset_sees_every_input_holding_whole_batches(recorder, make, kind):
     """A PyDataset or a generator is passed with its kind (x, and fit's validation_data); a
     replacement the hook returns is what Keras trains on; in-memory arrays are not passed."""
