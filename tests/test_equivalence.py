@@ -52,12 +52,7 @@ TORCH_COLUMNS = {"mixed_bfloat16": (["--precision", "mixed_bfloat16"], "bfloat16
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 #: (column, row) cells that do not pass yet, with why; every other cell is asserted. Add an entry (and
 #: its reason) only for a cell that cannot pass yet; none is left.
-NOT_YET = {
-    ("mixed_float16", "torch_data_parallel"):
-        "torch data_parallel skips 2 of 8 steps as float16 overflows (loss scale 32768 -> 8192) where one process "
-        "skips none: each rank's loss is multiplied by its row count before backward, which pushes float16 "
-        "gradients past 65504 (xfail, strict: passes once the weighting stays near 1)",
-}
+NOT_YET = {}
 needs_horovod = run_if(horovod=True)
 
 

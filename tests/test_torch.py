@@ -167,3 +167,17 @@ def test_a_rendezvous_port_in_use_is_named_with_the_fix():
                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     assert result.returncode != 0 and "ClusterConfigError" in result.stdout
     assert f"port {port}" in result.stdout and "already in use" in result.stdout, result.stdout[-2000:]
+
+
+def _cuda_devices():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 NVIDIA GPUs (NCCL, one process per GPU)")
+def test_two_gpus_with_nccl_train_like_one_process(tmp_path, one_process):
+    """One process per GPU (LOCAL_RANK picks it), NCCL: the same weights as one process."""
+    ranks = _launch(tmp_path)
+    _assert_like_one_process(ranks, one_process, atol=1e-5)
