@@ -104,3 +104,22 @@ def test_fsdp_on_a_keras_whose_trainer_wraps_ddp_is_one_clear_error(tmp_path):
     for code, output in launch_two(str(tmp_path / "nightly"), "fsdp"):
         assert code != 0
         assert "fsdp: Keras 3.16" in output and "DistributedDataParallel" in output and "keras>=3.15,<3.16" in output
+
+
+def test_a_bad_fsdp_option_is_named_at_once():
+    import kerasdist
+
+    with pytest.raises(kerasdist.KerasdistError, match=r"fsdp: backend='bogus' is not valid.*gloo"):
+        kerasdist.spec("fsdp", backend="bogus")
+    with pytest.raises(kerasdist.KerasdistError, match=r"fsdp: timeout_s=0 is not valid"):
+        kerasdist.spec("fsdp", timeout_s=0)
+
+
+def test_fsdp_on_tensorflow_names_the_words_that_work_there():
+    import keras
+
+    import kerasdist
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    with pytest.raises(kerasdist.KerasdistError, match=r"needs the Keras backend torch.*KERAS_BACKEND=torch.*mirrored"):
+        model.compile(loss="mse", distribute="fsdp")

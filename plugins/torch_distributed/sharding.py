@@ -16,7 +16,9 @@ from typing import Optional
 import kerasdist
 from kerasdist import KerasdistError
 
-from .group import check_backend_name, join
+from .group import join
+
+TORCH_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 @dataclasses.dataclass
@@ -31,7 +33,10 @@ class FullySharded(kerasdist.StrategySpec):
     timeout_s: float = 300.0
 
     def __post_init__(self):
-        check_backend_name(self.backend)
+        from kerasdist.plugin_tools import check_choice, check_number
+
+        self.backend = check_choice(self.backend, "backend", "fsdp", TORCH_BACKENDS, allow_none=True)
+        check_number(self.timeout_s, "timeout_s", "fsdp", minimum=0, inclusive_minimum=False)
 
 
 class ShardedGroup:
