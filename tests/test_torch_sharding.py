@@ -115,6 +115,7 @@ def test_a_bad_fsdp_option_is_named_at_once():
         kerasdist.spec("fsdp", timeout_s=0)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="needs TensorFlow (this test's backend)")
 def test_fsdp_on_tensorflow_names_the_words_that_work_there():
     import keras
 
