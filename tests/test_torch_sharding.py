@@ -124,3 +124,24 @@ def test_fsdp_on_tensorflow_names_the_words_that_work_there():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     with pytest.raises(kerasdist.KerasdistError, match=r"needs the Keras backend torch.*KERAS_BACKEND=torch.*mirrored"):
         model.compile(loss="mse", distribute="fsdp")
+
+
+CONTRACT = """
+import keras, torch
+from kerasdist.plugin_tools import replace_variable_tensor
+variable = keras.Variable(torch.zeros(4), name="v")
+tensor = torch.nn.Parameter(torch.arange(4.0))
+replace_variable_tensor(variable, tensor)
+assert variable.value is tensor, type(variable.value)
+assert variable.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+variable.assign(torch.ones(4))
+assert variable.value is tensor and tensor.detach().tolist() == [1.0] * 4
+print("CONTRACT OK")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_keras_torch_variables_read_and_assign_the_tensor_fsdp_puts_in_them():
+    """The private Keras contract of _keras_internals/torch_sharding.py: a torch Variable's ``_value``."""
+    result = run([PYTHON, "-c", CONTRACT], timeout=100, env=child_env(**torch_env()))
+    assert "CONTRACT OK" in result.stdout
