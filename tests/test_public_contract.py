@@ -21,8 +21,8 @@ PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.compiler", "ten
                    "tf_keras.src")
 #: What a plugin may import from kerasdist.
 PUBLIC_KERASDIST = ("kerasdist", "kerasdist.plugin_tools", "kerasdist.exporting")
-#: Private attributes kerasdist sets on objects itself (its own state, not Keras's).
-OWN_PRIVATE_ATTRIBUTES = {"_kerasdist_session", "_kerasdist_name", "_kerasdist_horovod"}
+#: Private attributes kerasdist sets on objects itself (its own state, not Keras's) start with this.
+OWN_PRIVATE_PREFIX = "_kerasdist"
 #: Public functions with a leading underscore (the standard library's, documented as public).
 PUBLIC_UNDERSCORE_CALLS = {("os", "_exit")}
 
@@ -54,7 +54,7 @@ def private_api_uses(path):
         base = node.value
         if isinstance(base, ast.Name) and base.id in ("self", "cls"):
             continue
-        if node.attr in OWN_PRIVATE_ATTRIBUTES:
+        if node.attr.startswith(OWN_PRIVATE_PREFIX):
             continue
         owner = base.attr if isinstance(base, ast.Attribute) else getattr(base, "id", None)
         if (owner, node.attr) in PUBLIC_UNDERSCORE_CALLS:

@@ -182,8 +182,8 @@ def test_each_int8_scheme_is_close_to_keras_here(model, data, tmp_path, scheme):
 
 
 def test_missing_converter_dependency_is_one_clear_error(model, tmp_path, monkeypatch):
-    real = kerasdist.registry._module_exists
-    monkeypatch.setattr(kerasdist.registry, "_module_exists", lambda name: name != "tf2onnx" and real(name))
+    real = kerasdist.plugin_entry._module_exists
+    monkeypatch.setattr(kerasdist.plugin_entry, "_module_exists", lambda name: name != "tf2onnx" and real(name))
     with pytest.raises(kerasdist.PluginUnavailableError,
                        match=r"'onnx' cannot run here: needs tf2onnx \(not installed\): pip install 'kerasdist\[onnx"):
         kerasdist.export(model, tmp_path / "m.onnx", format="onnx")
