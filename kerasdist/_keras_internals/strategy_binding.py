@@ -72,8 +72,10 @@ class _FirstComponentReuse:
     def offer(self, variable):
         """The initial value to give ``tf.Variable`` for ``variable``'s replacement: it reads ``variable``
         only when called, which a component that reuses ``variable`` never does."""
+        import tensorflow as tf
+
         self.variable, self.copying = variable, None
-        self.initial_value = variable.value  # bound method: a callable initial value
+        self.initial_value = lambda: tf.convert_to_tensor(variable.read_value())  # what moving read before
         return self.initial_value
 
 
