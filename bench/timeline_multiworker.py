@@ -17,8 +17,9 @@ that each step splits into:
 - ``to python``: log all-reduce left -> Keras's batch end callback (function return, logs to numpy)
 - ``between``: batch end -> next batch begin (Keras's loop, callbacks)
 
-``--pin`` adds a variant to the interleaved rounds (2 workers, each pinned to one CPU) for an A/B
-measurement; for others, add a kind to ``run`` the same way.
+``--pin`` and ``--noop`` add variants to the interleaved rounds (2 workers each pinned to one CPU; 2 workers
+whose ring calls return without moving a byte: what the multi-worker step costs without the transfer; its
+training is wrong, its timing is the point); for others, add a kind to ``run`` the same way.
 
 It also prints each process's CPU use during the timed steps by thread (from /proc/self/task), which
 shows what competes with the compute thread (gRPC pollers, TF's inter-op pools, the ring), and the input
@@ -143,6 +144,10 @@ def worker(args):
     marks = []
     if not cluster.is_local:
         instrument_ring(marks)
+    if os.environ.get("BENCH_RING_NOOP"):  # the numpy_function calls stay, the bytes do not move
+        from kerasdist_plugins.multiworker import ring
+
+        ring.TcpRing._ring_all_reduce = lambda self, flat: None
 
     global_batch = args.batch * cluster.num_workers
     model = bench.make_model()
@@ -195,6 +200,8 @@ def run(kind, args):
         env.update(TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if kind == "pinned":
             env["BENCH_PIN_CPU"] = str(index)
+        if kind == "noop":
+            env["BENCH_RING_NOOP"] = "1"
         if workers > 1:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": index}})
@@ -214,6 +221,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--pin", action="store_true",
                         help="also 2 workers each pinned to one CPU (os.sched_setaffinity), interleaved")
+    parser.add_argument("--noop", action="store_true",
+                        help="also 2 workers whose ring moves nothing (not training correctly: a cost split)")
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
@@ -221,7 +230,7 @@ def main():
           f"warm-up; {args.rounds} round(s); load average at start {os.getloadavg()[0]:.2f}")
     results = collections.defaultdict(list)
     for round_number in range(args.rounds):
-        kinds = ("alone", "ring") + (("pinned",) if args.pin else ())
+        kinds = ("alone", "ring") + (("pinned",) if args.pin else ()) + (("noop",) if args.noop else ())
         for kind in (kinds if round_number % 2 == 0 else kinds[::-1]):
             for result in run(kind, args):
                 results[(kind, result["rank"])].append(result)
