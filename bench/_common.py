@@ -71,3 +71,35 @@ def median(values):
     values = sorted(values)
     middle = len(values) // 2
     return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def interleaved_rounds(configs, rounds, run):
+    """``{name: [step seconds per round]}``: every config once a round (``run(config)`` returns its step
+    seconds), the order alternating between rounds so that neither goes first each time."""
+    steps = {config[0]: [] for config in configs}
+    for round_number in range(rounds):
+        for config in configs if round_number % 2 == 0 else configs[::-1]:
+            step_s = run(config)
+            steps[config[0]].append(step_s)
+            print(f"  round {round_number + 1}: {config[0]:<55} step {step_s * 1000:8.1f} ms", flush=True)
+    return steps
+
+
+def print_summary(steps, configs, batch_of, word, hand_written, ceiling_pace=False):
+    """Medians per config (step, examples/s, scaling against configs[0]), then the two ratios that matter:
+    the hand-written loop (configs[3]) over kerasdist (configs[2]), and the ceiling (configs[1]) over kerasdist."""
+    import os
+
+    print(f"\nmedians (load average at end {os.getloadavg()[0]:.2f}):")
+    base, ceiling = median(steps[configs[0][0]]), median(steps[configs[1][0]])
+    for config in configs:
+        name, processes = config[0], config[2]
+        step = median(steps[name])
+        pace = f"  ({ceiling / step:.0%} of the ceiling's pace)" if ceiling_pace else ""
+        print(f"  {name:<55} step {step * 1000:8.1f} ms  {batch_of(processes) / step:9.0f} examples/s  "
+              f"scaling {processes * base / step:.2f}x{pace}")
+    ceiling, ours, hand = (median(steps[config[0]]) for config in configs[1:4])
+    print(f"\nstep time, {hand_written} / distribute='{word}': {hand / ours:.3f} "
+          "(>= 1 means kerasdist is as fast or faster)")
+    print(f"step time, ceiling (2 processes, no communication) / distribute='{word}': {ceiling / ours:.3f} "
+          "(1 = communication costs nothing)")

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import barrier, cpu_description, free_ports, median  # noqa: E402
+from _common import barrier, cpu_description, free_ports, interleaved_rounds, print_summary  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 PER_WORKER_BATCH = int(os.environ.get("BENCH_PER_WORKER_BATCH", "4096"))  # the driver's --batch, in every process
@@ -203,28 +203,13 @@ def main():
         return worker_custom_loop(args)
 
     configs = CONFIGS + (FULL_CONFIGS if args.full else [])
-    steps = {name: [] for name, *_ in configs}
     print(f"CPU: {cpu_description()}")
     print(f"per-worker batch {PER_WORKER_BATCH}, 512-1024-10 MLP, SGD, 1 intra/1 inter-op thread per process; "
           f"{args.steps} timed steps after {args.warmup} warm-up; {args.rounds} round(s); {os.cpu_count()} CPUs; "
           f"load average at start {os.getloadavg()[0]:.2f}")
-    for round_number in range(args.rounds):
-        order = configs if round_number % 2 == 0 else configs[::-1]
-        for name, kind, workers, env in order:
-            result = run_config(kind, workers, env, args)
-            steps[name].append(result["step_s"])
-            print(f"  round {round_number + 1}: {name:<55} step {result['step_s'] * 1000:8.1f} ms", flush=True)
-    print(f"\nmedians (load average at end {os.getloadavg()[0]:.2f}):")
-    base, ceiling = median(steps[configs[0][0]]), median(steps[configs[1][0]])
-    for name, _, workers, _ in configs:
-        step = median(steps[name])
-        print(f"  {name:<55} step {step * 1000:8.1f} ms  {PER_WORKER_BATCH * workers / step:9.0f} examples/s  "
-              f"scaling {workers * base / step:.2f}x  ({ceiling / step:.0%} of the ceiling's pace)")
-    ceiling, ours, raw = (median(steps[name]) for name, *_ in configs[1:4])
-    print(f"\nstep time, hand-written MWMS loop / distribute='multiworker' (default): {raw / ours:.3f} "
-          "(>= 1 means kerasdist is as fast or faster)")
-    print(f"step time, ceiling (2 processes, no communication) / distribute='multiworker': {ceiling / ours:.3f} "
-          "(1 = communication costs nothing)")
+    steps = interleaved_rounds(configs, args.rounds, lambda c: run_config(*c[1:], args)["step_s"])
+    print_summary(steps, configs, lambda workers: PER_WORKER_BATCH * workers, "multiworker",
+                  "hand-written MWMS loop", ceiling_pace=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import barrier, cpu_description, free_ports, median, run_processes  # noqa: E402
+from _common import (barrier, cpu_description, free_ports, interleaved_rounds, print_summary,  # noqa: E402
+                     run_processes)
 
 HERE = os.path.abspath(__file__)
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
@@ -186,29 +187,14 @@ def main():
 
     import torch  # noqa: F401  (only for the version line)
 
-    steps = {name: [] for name, *_ in CONFIGS}
     print(f"CPU: {cpu_description()}")
     print(f"torch {torch.__version__}; per-process batch {args.batch}, {FEATURES}-{HIDDEN}-{CLASSES} MLP, SGD, "
           f"torch.set_num_threads(1) per process, gloo on loopback; {args.steps} timed steps after {args.warmup} "
           f"warm-up; {args.rounds} round(s); guide loader: {args.guide_loader}; "
           f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
-    for round_number in range(args.rounds):
-        order = CONFIGS if round_number % 2 == 0 else CONFIGS[::-1]
-        for name, role, processes, independent in order:
-            result = run_config(role, processes, independent, args)
-            steps[name].append(result["step_s"])
-            print(f"  round {round_number + 1}: {name:<55} step {result['step_s'] * 1000:8.1f} ms", flush=True)
-    print(f"\nmedians (load average at end {os.getloadavg()[0]:.2f}):")
-    base = median(steps[CONFIGS[0][0]])
-    for name, _, processes, _ in CONFIGS:
-        step = median(steps[name])
-        print(f"  {name:<55} step {step * 1000:8.1f} ms  {args.batch * processes / step:9.0f} examples/s  "
-              f"scaling {processes * base / step:.2f}x")
-    ceiling, ours, guide = (median(steps[name]) for name, *_ in CONFIGS[1:4])
-    print(f"\nstep time, hand-written guide loop / distribute='data_parallel': {guide / ours:.3f} "
-          "(>= 1 means kerasdist is as fast or faster)")
-    print(f"step time, ceiling (2 processes, no communication) / distribute='data_parallel': {ceiling / ours:.3f} "
-          "(1 = communication costs nothing)")
+    steps = interleaved_rounds(CONFIGS, args.rounds, lambda c: run_config(*c[1:], args)["step_s"])
+    print_summary(steps, CONFIGS, lambda processes: args.batch * processes, "data_parallel",
+                  "hand-written guide loop")
 
 
 if __name__ == "__main__":

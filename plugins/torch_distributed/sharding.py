@@ -134,26 +134,6 @@ def shard_variable(variable, mesh):
     replace_variable_tensor(variable, torch.nn.Parameter(tensor, requires_grad=bool(value.requires_grad)))
 
 
-def local_bytes(variables):
-    """Bytes this process holds for ``variables`` (a shard's local part for a DTensor)."""
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for variable in variables:
-        value = variable.value
-        local = value.to_local() if isinstance(value, DTensor) else value
-        total += local.numel() * local.element_size()
-    return total
-
-
-def full_weights(model):
-    """The model's weights as NumPy arrays, gathered (every rank must call it: it is a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    return [(v.value.full_tensor() if isinstance(v.value, DTensor) else v.value).detach().cpu().numpy()
-            for v in model.weights]
-
-
 def _replicating(function):
     """Run ``function`` with plain tensors treated as replicated DTensors (learning rate, step counter)."""
     def run(*args, **kwargs):
