@@ -10,6 +10,7 @@ weights are within the column's tolerance. Print the matrix with ``python tests/
 """
 
 import importlib.util
+import json
 import os
 import sys
 import uuid
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.slow]
 
 SCRIPT = os.path.join(ROOT, "tests", "workers", "equivalence_script.py")
 OVERFLOW = os.path.join(ROOT, "tests", "workers", "loss_scale_overflow.py")
+TORCH_CASES = os.path.join(ROOT, "tests", "workers", "torch_cases.py")
 KERASDIST = os.path.join(os.path.dirname(PYTHON), "kerasdist")
 HOROVOD_ARGS = ["-np", "2", "--gloo", "-H", "localhost:2", "--network-interfaces", "lo", "--gloo-timeout-seconds", "30"]
 
@@ -88,12 +90,42 @@ def train(row, column, outdir):
     if tag:
         left = left_behind(tag)
         assert not left, f"horovodrun left processes behind: {left}"
-    if result.returncode != 0 or not os.path.exists(out):
+    return saved_result(row, column, out, result)
+
+
+def saved_result(row, column, out, result, error=None):
+    """(steps, weights) the run of ``row`` / ``column`` saved in ``out``. It failed if the command exited non-zero
+    or saved nothing; a cell of a shared run (``error`` not None: "" or its recorded error) by its own error."""
+    failed = result.returncode != 0 if error is None else bool(error)
+    if failed or not os.path.exists(out):
         errors = [line.strip() for line in result.stdout.splitlines() if "Error" in line] or ["(no error line)"]
-        raise AssertionError(f"{row} / {column} failed (exit {result.returncode}): {errors[-1]}\n"
+        raise AssertionError(f"{row} / {column} failed (exit {result.returncode}): {error or errors[-1]}\n"
                              f"{result.stdout[-4000:]}")
     saved = np.load(out)
     return [int(s) for s in saved["steps"]], [saved[f"w{i}"] for i in range(len(saved.files) - 1)]
+
+
+def train_torch_cells(outdir):
+    """Every torch cell: each torch row's columns trained in turn by ONE `kerasdist launch -n 2`, and every
+    reference by ONE plain process (tests/workers/torch_cases.py): one start-up and rendezvous per row, not per
+    cell. Returns {(row, column): (steps, weights), or the AssertionError of that cell}."""
+    results = {}
+    for row in ("torch_plain", *TORCH_ROWS):
+        outs = {column: os.path.join(outdir, f"{row}-{column}.npz") for column in columns_of(row)}
+        cases = []
+        for column, out in outs.items():
+            cmd, env = command(row, out, columns_of(row)[column][0])
+            cases.append({"name": f"{row}-{column}", "argv": cmd[cmd.index(SCRIPT) + 1:]})
+        cmd = [*cmd[:cmd.index(SCRIPT)], TORCH_CASES, SCRIPT, outdir, json.dumps(cases)]  # the row's launcher
+        result = run(cmd, timeout=240, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, **env), check=False)
+        for column, out in outs.items():
+            errors = [open(os.path.join(outdir, name)).read() for name in sorted(os.listdir(outdir))
+                      if name.startswith(f"{row}-{column}.error-rank")]
+            try:
+                results[(row, column)] = saved_result(row, column, out, result, "; ".join(errors))
+            except AssertionError as exc:
+                results[(row, column)] = exc
+    return results
 
 
 def left_behind(token):
@@ -128,8 +160,13 @@ def cell(row, column, outdir):
     reference = reference_of(row)
     if (reference, column) not in _results:
         _results[(reference, column)] = train(reference, column, outdir)
-    _results[(row, column)] = train(row, column, outdir)
-    return _results[(reference, column)], _results[(row, column)]
+    if (row, column) not in _results:
+        _results[(row, column)] = train(row, column, outdir)
+    results = _results[(reference, column)], _results[(row, column)]
+    for result in results:
+        if isinstance(result, AssertionError):  # a cell of the shared torch runs that failed
+            raise result
+    return results
 
 
 def check(row, column, outdir):
@@ -149,6 +186,12 @@ def test_same_steps_and_weights_as_plain_keras(row, column, outdir):
     check(row, column, outdir)
 
 
+@pytest.fixture(scope="module")
+def torch_cells(outdir):
+    """Every torch cell and its reference, computed at once (train_torch_cells) into the cells' cache."""
+    _results.update(train_torch_cells(outdir))
+
+
 TORCH_CELLS = [pytest.param(row, column, id=f"{row}-{column}", marks=[pytest.mark.xfail(
     reason=NOT_YET[(column, row)], strict=True)] if (column, row) in NOT_YET else [])
     for row in TORCH_ROWS for column in columns_of(row)]
@@ -157,7 +200,7 @@ TORCH_CELLS = [pytest.param(row, column, id=f"{row}-{column}", marks=[pytest.mar
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch (pip install 'kerasdist[torch]')")
 @pytest.mark.parametrize("row, column", TORCH_CELLS)
-def test_torch_same_steps_and_weights_as_plain_keras_on_torch(row, column, outdir):
+def test_torch_same_steps_and_weights_as_plain_keras_on_torch(row, column, outdir, torch_cells):
     check(row, column, outdir)
 
 

@@ -2,9 +2,12 @@
 
 Every torch process is a child (KERAS_BACKEND is fixed per process and this pytest process runs
 TensorFlow); loopback only, each run with a timeout, no process left behind. Runtimes on 2 CPU cores are
-in the report of the change that added them (about 2.5 min for the file).
+in the report of the change that added them; the scenarios that only check training share one launch
+(and one plain process for their references) to spare a torch start-up and a rendezvous each.
 """
 
+import glob
+import json
 import os
 import re
 import socket
@@ -18,6 +21,7 @@ from tests.helpers import ROOT, child_env, processes_with, python, run
 pytest.importorskip("torch")
 
 WORKER = os.path.join("tests", "workers", "torch_train.py")
+CASES = os.path.join("tests", "workers", "torch_cases.py")
 KERASDIST = os.path.join(os.path.dirname(python()[0]), "kerasdist")
 TORCHRUN = os.path.join(os.path.dirname(python()[0]), "torchrun")
 TIMEOUT = 240
@@ -27,11 +31,6 @@ def _env(**extra):
     return child_env(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", **extra)
 
 
-def _single(out, *args):
-    run(python(WORKER, str(out), "--distribute", "none", *args), timeout=TIMEOUT, env=_env())
-    return np.load(os.path.join(out, "rank0.npz"))
-
-
 def _launch(out, *args, check=True, **env):
     env.setdefault("KERASDIST_BACKUP_DIR", f"{out}-backups")  # kerasdist's private backups, kept out of ~/.cache
     result = run([KERASDIST, "launch", "-n", "2", "--", WORKER, str(out), *args], timeout=TIMEOUT,
@@ -39,6 +38,28 @@ def _launch(out, *args, check=True, **env):
     if not check:
         return result
     return [np.load(os.path.join(out, f"rank{r}.npz")) for r in range(2)]
+
+
+#: scenario -> torch_train.py switches. All of them train in ONE `kerasdist launch -n 2` and their references
+#: in ONE plain process (tests/workers/torch_cases.py runs them in turn): one start-up and rendezvous for all.
+SCENARIOS = {"built": [], "unbuilt": ["--unbuilt"], "uneven": ["--rows", "46", "--batch", "15"]}
+#: run only under the launch: the SIGKILL test's uninterrupted 4-epoch run
+LAUNCH_ONLY = {"uninterrupted": ["--epochs", "4"]}
+
+
+def _run_scenarios(out, scenarios, command, **env):
+    cases = json.dumps([{"name": name, "argv": [os.path.join(out, name), *argv]} for name, argv in scenarios.items()])
+    result = run([*command, CASES, WORKER, str(out), cases], timeout=TIMEOUT, env=_env(**env), check=False)
+    return str(out), result.stdout, result.returncode
+
+
+def _scenario(runs, name, ranks=(0, 1)):
+    """The saved results of one scenario of a shared run (its own error if it raised)."""
+    out, output, _ = runs
+    errors = [open(path).read() for path in sorted(glob.glob(os.path.join(out, f"{name}.error-rank*.txt")))]
+    missing = [r for r in ranks if not os.path.exists(os.path.join(out, name, f"rank{r}.npz"))]
+    assert not errors and not missing, f"{name}: {errors or f'no results of ranks {missing}'}\n{output[-4000:]}"
+    return [np.load(os.path.join(out, name, f"rank{r}.npz")) for r in ranks]
 
 
 def _weights(npz):
@@ -64,50 +85,56 @@ def _no_process_left(token):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The model trained in one process on the same global batches (SGD, same seed, 2 epochs)."""
-    return _single(tmp_path_factory.mktemp("single"))
+    """Each scenario trained in one process on the same global batches (SGD, same seed, 2 epochs)."""
+    return _run_scenarios(tmp_path_factory.mktemp("single"), {name: [*argv, "--distribute", "none"]
+                                                              for name, argv in SCENARIOS.items()}, python())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Each scenario (and the SIGKILL test's uninterrupted run) trained by one `kerasdist launch -n 2`."""
+    out = tmp_path_factory.mktemp("launch")
+    return _run_scenarios(out, {**SCENARIOS, **LAUNCH_ONLY}, [KERASDIST, "launch", "-n", "2", "--"],
+                          KERASDIST_BACKUP_DIR=f"{out}-backups")  # kerasdist's private backups, not in ~/.cache
 
 
 # -- Must show 1 -----------------------------------------------------------------------------------
 
-def test_kerasdist_launch_two_ranks_train_like_one_process(tmp_path, one_process):
+def test_kerasdist_launch_two_ranks_train_like_one_process(two_ranks, one_process):
     """Model built before compile, each rank seeding other weights (rank 0's reach every rank)."""
-    ranks = _launch(tmp_path)
-    _assert_like_one_process(ranks, one_process, atol=1e-5)
-    _no_process_left(str(tmp_path))
+    _assert_like_one_process(_scenario(two_ranks, "built"), _scenario(one_process, "built", [0])[0], atol=1e-5)
+    out, output, returncode = two_ranks
+    assert returncode == 0 or glob.glob(os.path.join(out, "*.error-rank*")), output[-3000:]  # else: exits cleanly
+    _no_process_left(out)
 
 
 def test_torchrun_two_ranks_train_like_one_process(tmp_path, one_process):
     run([TORCHRUN, "--standalone", "--nproc-per-node", "2", WORKER, str(tmp_path)], timeout=TIMEOUT, env=_env())
     ranks = [np.load(os.path.join(tmp_path, f"rank{r}.npz")) for r in range(2)]
-    _assert_like_one_process(ranks, one_process, atol=1e-5)
+    _assert_like_one_process(ranks, _scenario(one_process, "built", [0])[0], atol=1e-5)
     _no_process_left(str(tmp_path))
 
 
-def test_a_model_built_by_fit_trains_like_one_process(tmp_path):
+def test_a_model_built_by_fit_trains_like_one_process(two_ranks, one_process):
     """No Input: fit builds the model (kerasdist builds it from this rank's first batch, then every rank takes
     rank 0's weights: each rank seeds its own)."""
-    single = _single(tmp_path / "single", "--unbuilt")
-    ranks = _launch(tmp_path / "two", "--unbuilt")
-    _assert_like_one_process(ranks, single, atol=1e-5)
+    _assert_like_one_process(_scenario(two_ranks, "unbuilt"), _scenario(one_process, "unbuilt", [0])[0], atol=1e-5)
 
 
-def test_uneven_and_empty_shares_train_like_one_process(tmp_path):
+def test_uneven_and_empty_shares_train_like_one_process(two_ranks, one_process):
     """46 rows in global batches of 15: shares of 7 and 8, and a last batch of 1 row (one rank's share is
     empty) train as one device does."""
-    single = _single(tmp_path / "single", "--rows", "46", "--batch", "15")
-    ranks = _launch(tmp_path / "two", "--rows", "46", "--batch", "15")
-    _assert_like_one_process(ranks, single, atol=1e-5)
+    _assert_like_one_process(_scenario(two_ranks, "uneven"), _scenario(one_process, "uneven", [0])[0], atol=1e-5)
 
 
 # -- Must show 3, and a rank that dies ---------------------------------------------------------------
 
-def test_sigkilled_worker_job_ends_then_resumes_from_the_backup(tmp_path):
+def test_sigkilled_worker_job_ends_then_resumes_from_the_backup(tmp_path, two_ranks):
     """Rank 1 SIGKILLed in epoch 3: the job ends non-zero within 30 s, no process left; relaunched unchanged,
     it resumes at epoch 3 from kerasdist's private backup (rank 0 wrote it) and ends with the weights of an
-    uninterrupted run (within 1e-6)."""
+    uninterrupted run (within 1e-6; that run is a scenario of the shared launch)."""
     backups = str(tmp_path / "backups")
-    uninterrupted = _launch(tmp_path / "whole", "--epochs", "4", KERASDIST_BACKUP_DIR=str(tmp_path / "other"))[0]
+    uninterrupted = _scenario(two_ranks, "uninterrupted")[0]
     killed = _launch(tmp_path / "job", "--epochs", "4", check=False, TORCH_TEST_KILL_AT="3",
                      KERASDIST_BACKUP_DIR=backups)
     ended, output = time.time(), killed.stdout
@@ -134,11 +161,37 @@ MODEL = ("import kerasdist, keras\n"
          "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n")
 
 
-def test_a_tensorflow_only_word_on_torch_names_the_words_that_work_there():
-    result = _torch_snippet(MODEL + "model.compile(loss='mse', distribute='mirrored')")
-    assert result.returncode != 0
-    assert "BackendError" in result.stdout and "'mirrored'" in result.stdout
-    assert "work on 'torch'" in result.stdout and "data_parallel" in result.stdout, result.stdout[-2000:]
+#: independent bad-input checks that share one torch process: each builds its own model and must raise its own error
+SHARED_CHECKS = {
+    "mirrored": MODEL + "model.compile(loss='mse', distribute='mirrored')",
+    "set_distribution": "import keras\nkeras.distribution.set_distribution(keras.distribution.DataParallel("
+                        "devices=['cpu:0']))\n" + MODEL + "model.compile(loss='mse', distribute='data_parallel')",
+}
+RUN_CHECKS = """
+import json, sys
+for name, code in json.loads(sys.argv[1]).items():
+    try:
+        exec(code, {})
+    except Exception as exc:
+        print(f"CHECK {name} RAISED {type(exc).__module__}.{type(exc).__qualname__}: {exc}", flush=True)
+    else:
+        print(f"CHECK {name} RAISED nothing", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_checks():
+    """name -> what that check printed (its error's full class name and message)."""
+    output = run(python("-c", RUN_CHECKS, json.dumps(SHARED_CHECKS)), timeout=120, env=_env()).stdout
+    found = dict(re.findall(r"^CHECK (\S+) RAISED (.*(?:\n(?!CHECK ).*)*)", output, re.M))
+    assert set(found) == set(SHARED_CHECKS), output[-3000:]
+    return found
+
+
+def test_a_tensorflow_only_word_on_torch_names_the_words_that_work_there(shared_checks):
+    raised = shared_checks["mirrored"]
+    assert "BackendError" in raised and "'mirrored'" in raised
+    assert "work on 'torch'" in raised and "data_parallel" in raised, raised[-2000:]
 
 
 def test_torch_not_installed_gives_the_install_command():
@@ -150,12 +203,10 @@ def test_torch_not_installed_gives_the_install_command():
     assert "pip install 'kerasdist[torch]'" in out and "REASON None" not in out, out[-2000:]
 
 
-def test_keras_distribution_together_with_distribute_is_refused():
-    code = ("import keras\nkeras.distribution.set_distribution(keras.distribution.DataParallel(devices=['cpu:0']))\n"
-            + MODEL + "model.compile(loss='mse', distribute='data_parallel')")
-    result = _torch_snippet(code)
-    assert result.returncode != 0 and "KerasdistError" in result.stdout
-    assert "set_distribution" in result.stdout and "remove" in result.stdout, result.stdout[-2000:]
+def test_keras_distribution_together_with_distribute_is_refused(shared_checks):
+    raised = shared_checks["set_distribution"]
+    assert "KerasdistError" in raised
+    assert "set_distribution" in raised and "remove" in raised, raised[-2000:]
 
 
 def test_a_rendezvous_port_in_use_is_named_with_the_fix():
@@ -180,4 +231,4 @@ def _cuda_devices():
 def test_two_gpus_with_nccl_train_like_one_process(tmp_path, one_process):
     """One process per GPU (LOCAL_RANK picks it), NCCL: the same weights as one process."""
     ranks = _launch(tmp_path)
-    _assert_like_one_process(ranks, one_process, atol=1e-5)
+    _assert_like_one_process(ranks, _scenario(one_process, "built", [0])[0], atol=1e-5)

@@ -5,6 +5,7 @@ Each run is 2 real torch processes with torchrun's variables (the pytest process
 """
 
 import importlib.util
+import json
 import os
 
 import numpy as np
@@ -26,15 +27,17 @@ def keras_trainer_wraps_ddp():
 on_keras_315 = pytest.mark.skipif(keras_trainer_wraps_ddp(), reason="this Keras's trainer wraps DDP itself")
 
 WORKER = os.path.join(ROOT, "tests", "workers", "torch_fsdp_train.py")
+CASES = os.path.join(ROOT, "tests", "workers", "torch_cases.py")
 
 
 def torch_env(**extra):
     return dict(KERAS_BACKEND="torch", OMP_NUM_THREADS=1, TF_CPP_MIN_LOG_LEVEL=3, **extra)
 
 
-def launch_two(out, word, *flags):
+def launch_two(out, word, *flags, worker=None):
+    """``worker``'s argv (default: torch_fsdp_train.py OUT WORD FLAGS) in 2 processes with torchrun's variables."""
     port = free_port()
-    procs = [start([PYTHON, WORKER, out, word, *flags], **torch_env(
+    procs = [start([PYTHON, *(worker or [WORKER, out, word, *flags])], **torch_env(
         RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
         for rank in range(2)]
     return finish(procs, timeout=240)
@@ -48,17 +51,28 @@ def weights(saved):
     return [saved[f"w{i}"] for i in range(sum(name.startswith("w") for name in saved.files))]
 
 
+def cases(directory, words):
+    """torch_cases.py's argv that runs torch_fsdp_train.py for each word (name: its flags) in turn in one process."""
+    return [CASES, WORKER, directory, json.dumps([{"name": name, "argv": [os.path.join(directory, name), *word]}
+                                                   for name, word in words.items()])]
+
+
+#: scenarios sharing ONE 2-process run (one torch start-up and rendezvous): both words, then the unbuilt model
+#: whose fsdp must raise (last: its error cannot disturb the others)
+SHARED = {"data_parallel": ["data_parallel"], "fsdp": ["fsdp"], "unbuilt": ["fsdp", "--unbuilt"]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fsdp")
-    plain = str(directory / "plain")
-    run([PYTHON, WORKER, plain, "none"], timeout=180, env=child_env(**torch_env()))
-    results = {"plain": plain}
-    for word in ("fsdp", "data_parallel"):
-        out = str(directory / word)
-        for code, output in launch_two(out, word):
-            assert code == 0, f"{word} exited {code}:\n{output[-4000:]}"
-        results[word] = out
+    directory = str(tmp_path_factory.mktemp("fsdp"))
+    run([PYTHON, WORKER, os.path.join(directory, "plain"), "none"], timeout=180, env=child_env(**torch_env()))
+    outputs = launch_two(directory, None, worker=cases(directory, SHARED))
+    results = {name: os.path.join(directory, name) for name in ("plain", *SHARED)}
+    results["outputs"] = [output for _, output in outputs]
+    for word in ("data_parallel", "fsdp"):
+        for rank in range(2):
+            error = os.path.join(directory, f"{word}.error-rank{rank}.txt")
+            assert not os.path.exists(error), f"{word} raised on rank {rank}: {open(error).read()}\n{outputs}"
     return results
 
 
@@ -89,11 +103,14 @@ def test_fsdp_trains_as_the_reference_within_1e_5(runs, reference):
 
 @on_keras_315
 @pytest.mark.timeout(300)
-def test_fsdp_on_a_model_without_weights_names_the_fix(tmp_path):
-    results = launch_two(str(tmp_path / "unbuilt"), "fsdp", "--unbuilt")
-    for code, output in results:
-        assert code != 0
-        assert "fsdp: model" in output and "has no weights yet" in output and "keras.Input" in output
+def test_fsdp_on_a_model_without_weights_names_the_fix(runs):
+    """A scenario of the shared run: on each rank fsdp raises for a model that has no weights yet."""
+    for rank in range(2):
+        error = f"{runs['unbuilt']}.error-rank{rank}.txt"
+        assert os.path.exists(error), f"fsdp on an unbuilt model raised nothing on rank {rank}:\n{runs['outputs']}"
+        with open(error) as f:
+            output = f.read()
+        assert "fsdp: model" in output and "has no weights yet" in output and "keras.Input" in output, output
 
 
 @pytest.mark.timeout(300)

@@ -33,7 +33,8 @@ def full(variable):
     return (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu().numpy()
 
 
-def main(out, word, unbuilt=False):
+def main(argv):
+    out, word, unbuilt = argv[0], argv[1], "--unbuilt" in argv
     torch.set_num_threads(1)
     keras.utils.set_random_seed(0)
     if unbuilt:
@@ -56,4 +57,4 @@ def main(out, word, unbuilt=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--unbuilt" in sys.argv)
+    main(sys.argv[1:])

@@ -3,6 +3,7 @@
 Usage: torch_train.py OUT_DIR [--epochs N] [--batch B] [--rows R] [--distribute WORD|none] [--input arrays|
 dataloader|pydataset|tfdata] [--policy P] [--accumulate K] [--bn] [--sync-bn] [--backup DIR]
 [--checkpoint]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E (1-based). Writes OUT_DIR/rank{r}.npz (weights, history, evaluate, predict).
+``main(argv)`` runs one job in this process (tests/workers/torch_cases.py runs several in turn).
 """
 
 import argparse
@@ -19,7 +20,7 @@ import kerasdist  # noqa: E402,F401
 import keras  # noqa: E402
 
 
-def arguments():
+def arguments(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--epochs", type=int, default=2)
@@ -35,7 +36,7 @@ def arguments():
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--unbuilt", action="store_true", help="no Input: the model is built by fit")
     parser.add_argument("--seed", type=int, default=1, help="rank 0's weight seed (rank r: seed + r)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def data(rows):
@@ -91,8 +92,8 @@ class KillInEpoch(keras.callbacks.Callback):
         self._epoch = epoch
 
 
-def main():
-    args = arguments()
+def main(argv=None):
+    args = arguments(argv)
     keras.mixed_precision.set_global_policy(args.policy)
     x, y = data(args.rows)
     # each rank draws other initial weights: rank 0's must reach every rank (one process: rank 0's seed)
