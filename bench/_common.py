@@ -103,3 +103,17 @@ def print_summary(steps, configs, batch_of, word, hand_written, ceiling_pace=Fal
           "(>= 1 means kerasdist is as fast or faster)")
     print(f"step time, ceiling (2 processes, no communication) / distribute='{word}': {ceiling / ours:.3f} "
           "(1 = communication costs nothing)")
+
+
+def step_clock(warmup, times):
+    """A Keras callback appending ``time.perf_counter()`` to ``times`` after every training step; the
+    processes meet at :func:`barrier` after the last warm-up step, so the timed steps start together."""
+    import keras
+
+    class StepClock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == warmup - 1:
+                barrier()
+            times.append(time.perf_counter())
+
+    return StepClock()

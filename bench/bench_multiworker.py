@@ -22,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import barrier, cpu_description, free_ports, interleaved_rounds, print_summary  # noqa: E402
+from _common import cpu_description, free_ports, interleaved_rounds, print_summary, step_clock  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 PER_WORKER_BATCH = int(os.environ.get("BENCH_PER_WORKER_BATCH", "4096"))  # the driver's --batch, in every process
@@ -70,15 +70,8 @@ def worker_keras(args):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   distribute=None if cluster.is_local else "multiworker")
     times = []
-
-    class Clock(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == args.warmup - 1:
-                barrier()
-            times.append(time.perf_counter())
-
     model.fit(make_data(global_batch), steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0,
-              callbacks=[Clock()])
+              callbacks=[step_clock(args.warmup, times)])
     report(times[args.warmup - 1:], global_batch, cluster)
 
 

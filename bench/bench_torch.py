@@ -28,8 +28,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (barrier, cpu_description, free_ports, interleaved_rounds, print_summary,  # noqa: E402
-                     run_processes)
+from _common import (cpu_description, free_ports, interleaved_rounds, print_summary,  # noqa: E402
+                     run_processes, step_clock)
 
 HERE = os.path.abspath(__file__)
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
@@ -79,14 +79,8 @@ def worker_keras(args):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   distribute="data_parallel" if size > 1 else None)
     times = []
-
-    class Clock(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == args.warmup - 1:
-                barrier()
-            times.append(time.perf_counter())
-
-    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0, callbacks=[Clock()])
+    model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
+              callbacks=[step_clock(args.warmup, times)])
     assert len(times) == args.warmup + args.steps, f"{len(times)} steps ran"
     report(times[args.warmup - 1:], global_batch, rank)
 
