@@ -15,17 +15,15 @@ time and examples/s (global examples per second), then the ratios:
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_description, free_ports, interleaved_rounds, print_summary, step_clock  # noqa: E402
+from _common import (cpu_description, free_ports, interleaved_rounds, print_summary, run_processes,  # noqa: E402
+                     step_clock)
 
 HERE = os.path.abspath(__file__)
-PER_WORKER_BATCH = int(os.environ.get("BENCH_PER_WORKER_BATCH", "4096"))  # the driver's --batch, in every process
+PER_WORKER_BATCH = 4096  # --batch (the driver passes it to every worker)
 
 
 # -- inside a worker process ------------------------------------------------------------
@@ -129,34 +127,19 @@ def run_config(kind, workers, env_extra, args):
     """Run one configuration; returns the slowest reporting process's result (synchronous training
     goes at the pace of the slowest worker)."""
     ports = free_ports(workers)
-    procs = []
-    independent = env_extra.get("BENCH_INDEPENDENT")
-    barrier_dir = tempfile.mkdtemp(prefix="bench-barrier-") if independent else None
+    independent = bool(env_extra.get("BENCH_INDEPENDENT"))
+    environments = []
     for index in range(workers):
         env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         env.update(TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
-        if independent:
-            env.update(BENCH_BARRIER_DIR=barrier_dir, BENCH_BARRIER_N=str(workers))
-        elif workers > 1:
+        if workers > 1 and not independent:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": index}})
-        procs.append(subprocess.Popen(
-            [sys.executable, HERE, "--role", kind, "--steps", str(args.steps), "--warmup", str(args.warmup),
-             "--batch", str(args.batch)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=args.timeout)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-    for proc, out in zip(procs, outputs):
-        if proc.returncode != 0:
-            raise SystemExit(f"{kind} x{workers} {env_extra} failed:\n{out[-3000:]}")
-    if barrier_dir:
-        shutil.rmtree(barrier_dir, ignore_errors=True)
+        environments.append(env)
+    command = [sys.executable, HERE, "--role", kind, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--batch", str(args.batch)]
+    outputs = run_processes([command] * workers, environments, args.timeout, f"{kind} x{workers} {env_extra}",
+                            independent=independent)
     results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
                if line.startswith("RESULT ")]
     return max(results, key=lambda r: r["step_s"])
@@ -189,7 +172,6 @@ def main():
     parser.add_argument("--batch", type=int, default=PER_WORKER_BATCH, help="per-worker batch size")
     args = parser.parse_args()
     PER_WORKER_BATCH = args.batch
-    os.environ["BENCH_PER_WORKER_BATCH"] = str(args.batch)
     if args.role == "keras":
         return worker_keras(args)
     if args.role == "custom":
