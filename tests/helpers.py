@@ -77,6 +77,21 @@ def finish(procs, timeout):
     return results
 
 
+def torch_env(**extra):
+    """Variables of a torch child process (the pytest process itself runs TensorFlow's backend)."""
+    return dict(KERAS_BACKEND="torch", OMP_NUM_THREADS=1, TF_CPP_MIN_LOG_LEVEL=3, **extra)
+
+
+def torchrun_two(argv, timeout=240):
+    """``python argv`` in 2 processes with torchrun's variables (rendezvous on a free loopback port);
+    ``finish``'s ``[(returncode, output)]``."""
+    port = free_port()
+    procs = [start([PYTHON, *argv], **torch_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2,
+                                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for rank in range(2)]
+    return finish(procs, timeout=timeout)
+
+
 def processes_with(token):
     """Pids of this machine's processes whose command line contains ``token``."""
     pids = []

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, child_env, processes_with, python, run
+from helpers import ROOT, child_env, processes_with, python, run
 
 pytest.importorskip("torch")
 

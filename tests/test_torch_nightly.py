@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import PYTHON, ROOT, child_env, finish, free_port, run, start
+from helpers import PYTHON, ROOT, child_env, run, torch_env, torchrun_two
 
 
 def keras_version():
@@ -19,33 +19,27 @@ def keras_version():
     return installed_keras_version() or "0"
 
 
-def is_316_or_later(version):
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version.split(".")[:2])
-    return (major, minor) >= (3, 16)
+def keras_trainer_wraps_ddp():
+    from kerasdist.plugin_tools import keras_wraps_ddp
+
+    return keras_wraps_ddp()
 
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
-              pytest.mark.skipif(not is_316_or_later(keras_version()),
+              pytest.mark.skipif(not keras_trainer_wraps_ddp(),
                                  reason=f"Keras {keras_version()}: the trainer's own DDP comes with 3.16 "
                                         "(make test-keras-nightly)")]
 
 WORKER = os.path.join(ROOT, "tests", "workers", "torch_nightly_ddp.py")
 
 
-def torch_env(**extra):
-    return dict(KERAS_BACKEND="torch", OMP_NUM_THREADS=1, TF_CPP_MIN_LOG_LEVEL=3, **extra)
-
-
 @pytest.mark.timeout(400)
 def test_the_trainers_own_ddp_wraps_once_and_training_equals_one_process(tmp_path):
     plain = str(tmp_path / "plain")
     run([PYTHON, WORKER, plain, "none"], timeout=180, env=child_env(**torch_env()))
-    out, port = str(tmp_path / "ddp"), free_port()
-    procs = [start([PYTHON, WORKER, out, "data_parallel"], **torch_env(
-        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-        for rank in range(2)]
-    for code, output in finish(procs, timeout=240):
+    out = str(tmp_path / "ddp")
+    for code, output in torchrun_two([WORKER, out, "data_parallel"]):
         assert code == 0, output[-4000:]
     expected = np.load(f"{plain}-rank0.npz")
     for rank in range(2):

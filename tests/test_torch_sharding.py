@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from helpers import PYTHON, ROOT, child_env, finish, free_port, run, start
+from helpers import PYTHON, ROOT, child_env, run, torch_env, torchrun_two
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (pip install torch)")]
@@ -30,17 +30,9 @@ WORKER = os.path.join(ROOT, "tests", "workers", "torch_fsdp_train.py")
 CASES = os.path.join(ROOT, "tests", "workers", "torch_cases.py")
 
 
-def torch_env(**extra):
-    return dict(KERAS_BACKEND="torch", OMP_NUM_THREADS=1, TF_CPP_MIN_LOG_LEVEL=3, **extra)
-
-
 def launch_two(out, word, *flags, worker=None):
     """``worker``'s argv (default: torch_fsdp_train.py OUT WORD FLAGS) in 2 processes with torchrun's variables."""
-    port = free_port()
-    procs = [start([PYTHON, *(worker or [WORKER, out, word, *flags])], **torch_env(
-        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
-        for rank in range(2)]
-    return finish(procs, timeout=240)
+    return torchrun_two(worker or [WORKER, out, word, *flags])
 
 
 def load(out, rank=0):
