@@ -11,7 +11,8 @@ torch is imported only inside the functions (``import kerasdist`` never imports 
 
 import inspect
 
-from .versions import installed_keras_version, require
+from .training import replace_moments
+from .versions import installed_keras_version
 
 _TORCH_TRAINER = "keras.src.backend.torch.trainer"
 
@@ -41,15 +42,7 @@ def synchronize_torch_batch_norm(model, sum_across, weight_of_rows=lambda: 1.0):
     (``torch.distributed.nn.functional.all_reduce``); the local sum, squared sum and row count are summed,
     each multiplied by ``weight_of_rows()`` (0 for a rank holding a placeholder row). Masked calls keep
     local statistics. Returns the number of layers changed."""
-    import keras
-
-    require("layer_flatten_layers", "batch_norm_moments")
-    changed = 0
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, keras.layers.BatchNormalization) and "_moments" not in layer.__dict__:
-            layer._moments = _summed_moments(layer, layer._moments, sum_across, weight_of_rows)
-            changed += 1
-    return changed
+    return replace_moments(model, lambda layer: _summed_moments(layer, layer._moments, sum_across, weight_of_rows))
 
 
 def _summed_moments(layer, local_moments, sum_across, weight_of_rows):

@@ -215,16 +215,29 @@ def synchronize_batch_norm(model, sum_across=None):
 
     from .versions import require
 
-    require("layer_flatten_layers", *(["batch_norm_moments"] if sum_across is not None else []))
+    if sum_across is not None:
+        return replace_moments(model, lambda layer: _summed_moments(layer, layer._moments, sum_across))
+    require("layer_flatten_layers")
     changed = 0
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if not isinstance(layer, keras.layers.BatchNormalization):
-            continue
-        if sum_across is None and not layer.synchronized:
+    for layer in all_layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized:
             layer.synchronized = True
             changed += 1
-        elif sum_across is not None and "_moments" not in layer.__dict__:
-            layer._moments = _summed_moments(layer, layer._moments, sum_across)
+    return changed
+
+
+def replace_moments(model, make_moments):
+    """Give every ``keras.layers.BatchNormalization`` of ``model`` (nested ones too) whose ``_moments`` is
+    not replaced yet the function ``make_moments(layer)`` returns. Returns the number of layers changed."""
+    import keras
+
+    from .versions import require
+
+    require("layer_flatten_layers", "batch_norm_moments")
+    changed = 0
+    for layer in all_layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and "_moments" not in layer.__dict__:
+            layer._moments = make_moments(layer)
             changed += 1
     return changed
 
