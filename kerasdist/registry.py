@@ -30,12 +30,20 @@ def _key(space, name):
     return name if space == "train" else f"export:{name}"
 
 
-def _other_backends(entry, existing, registered):
-    """Whether ``entry`` may share its name with ``registered`` (``existing`` among them): same kind, each
-    for its own backends (none empty, none shared), so that lookup picks the running backend's."""
+def _other_backends(entry, registered):
+    """Whether ``entry`` may share its name with ``registered``: same kind, each for its own backends
+    (none empty, none shared), so that lookup picks the running backend's."""
     return bool(entry.backends) and all(
         e.kind == entry.kind and e.name == entry.name and e.backends and not set(e.backends) & set(entry.backends)
         for e in registered)
+
+
+def _running_backends(candidates):
+    """Of the entries registered under one word, the running backend's (else the first), or None."""
+    if len(candidates) > 1:
+        backend = keras_backend()
+        return next((e for e in candidates if backend in e.backends), candidates[0])
+    return candidates[0] if candidates else None
 
 
 class Registry:
@@ -67,8 +75,9 @@ class Registry:
         if base is None and not callable(entry.factory):
             raise PluginValidationError(f"Exporter {entry.name!r} of plugin {entry.plugin!r} is not callable.")
         for key in (entry.name,) + entry.aliases:
-            existing = self._lookup(key, _namespace(entry.kind))
-            if existing is not None and not override and _other_backends(entry, existing, self._variants(key, entry)):
+            candidates = self._candidates(_key(_namespace(entry.kind), normalize(key)))
+            existing = _running_backends(candidates)
+            if existing is not None and not override and _other_backends(entry, candidates):
                 continue  # one word, another implementation for other backends (e.g. data_parallel on torch)
             if existing is not None and not override:
                 raise DuplicatePluginError(
@@ -90,11 +99,6 @@ class Registry:
         self.entries[key] = entry
         for alias in entry.aliases:
             self._aliases.setdefault(_key(space, alias), _key(space, entry.name))
-
-    def _variants(self, key, entry):
-        """The entries registered under ``key`` (a name or alias) in ``entry``'s namespace."""
-        space = _namespace(entry.kind)
-        return self._candidates(_key(space, normalize(key)))
 
     def _candidates(self, key):
         """Every entry registered under ``key`` (namespaced), one per backend group; its own aliases only."""
@@ -129,11 +133,7 @@ class Registry:
 
     def _lookup(self, key, space):
         """The entry for ``key``; of one word registered for several disjoint backends, the running backend's."""
-        candidates = self._candidates(_key(space, normalize(key)))
-        if len(candidates) > 1:
-            backend = keras_backend()
-            return next((e for e in candidates if backend in e.backends), candidates[0])
-        return candidates[0] if candidates else None
+        return _running_backends(self._candidates(_key(space, normalize(key))))
 
     def entry_of(self, spec):
         """The entry ``spec`` was created from (its name and class), or None for unregistered specs."""
