@@ -27,7 +27,7 @@ from .multiworker_fit import (install_multiworker_fit_fixes, is_multiworker_stra
 from .ps import PS_COORDINATOR_JOB, parameter_server_strategy, symbolic_build  # noqa: F401
 from .strategy_binding import (bind_model, bound_strategy, move_to_strategy, optimizer_strategy,  # noqa: F401
                                unbound_from_strategy)
-from .training import (accumulate_across_replicas, all_layers, flatten_metrics_in_order, keras_tree,  # noqa: F401
+from .training import (accumulate_across_replicas, all_layers, flatten_metrics_in_order,  # noqa: F401
                        lay_out_variables, set_batch_share_weighting, synchronize_batch_norm, variable_layout,
                        weight_replicas_by_batch_share)
 from .versions import (CHECKED_KERAS_VERSIONS, SUPPORTED_KERAS, installed_keras_version,  # noqa: F401

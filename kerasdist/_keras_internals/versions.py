@@ -141,7 +141,7 @@ def keras_version_checked(version=None):
     version = installed_keras_version() if version is None else version
     if version is None:
         return True
-    return any(version == v or version.startswith(v + ".") for v in CHECKED_KERAS_VERSIONS)
+    return any(_on_line(version, v) for v in CHECKED_KERAS_VERSIONS)
 
 
 def _candidates(name, version):
