@@ -19,7 +19,6 @@ tf.distribute strategy; and kerasdist.tensorrt(): TensorRT's QAT recipe, optiona
 import warnings
 
 import kerasdist
-from kerasdist.exporting import check_ranges_learned as check_trained  # noqa: F401 (its old name here)
 
 from . import graph, quantizers
 from .layers import make_quantization_aware, quantization_aware_layers, serializable_classes
@@ -86,13 +85,6 @@ def is_quantization_aware(model):
 def ranges(model):
     """``{layer name: {"input"|"pre"|"output": (min, max)}}`` of a quantization-aware model."""
     return {layer.name: layer.ranges() for layer in quantization_aware_layers(model) if layer.ranges()}
-
-
-def recipe_of(model):
-    return next((layer.quantization_plan.recipe for layer in quantization_aware_layers(model)), None)
-
-
-export_mode = quantizers.export_mode
 
 
 # -- hooks --------------------------------------------------------------------------------
