@@ -23,6 +23,8 @@ import kerasdist
 from kerasdist.exporting import (ExportResult, calibration_batches, check_exportable, check_ranges_learned,
                                  compare_outputs, need_representative_data, quantization_aware_layers, require,
                                  tracing)
+from kerasdist.plugin_tools import check_number
+
 
 def write_onnx(model, filepath, opset_version=None):
     """``model.export(format="onnx")``, then ``onnx.checker`` on the file."""
@@ -152,10 +154,7 @@ def export_onnx_int8(model, filepath, *, representative_data=None, calibration_s
             "int8 ranges; export it with format='onnx', which writes them as QuantizeLinear/DequantizeLinear pairs.")
     need_representative_data("onnx-int8", representative_data)
     scheme, why = resolve_int8_scheme(int8_scheme)
-    if isinstance(verify_tolerance, bool) or not (isinstance(verify_tolerance, (int, float)) and verify_tolerance > 0):
-        raise kerasdist.KerasdistError(
-            f"export(format='onnx-int8'): verify_tolerance={verify_tolerance!r} is not valid; give a number > 0 "
-            "(the max |diff| allowed, as a fraction of the Keras output's max |y|; default 0.1).")
+    check_number(verify_tolerance, "verify_tolerance", "export(format='onnx-int8')", minimum=0, inclusive_minimum=False)
     with tempfile.TemporaryDirectory() as tmp:
         float_path = write_onnx(model, os.path.join(tmp, "float.onnx"), opset_version)
         quantize_qdq(float_path, os.fspath(filepath), representative_data, calibration_steps, per_channel, scheme)

@@ -23,7 +23,7 @@ import numbers
 from typing import Callable, Optional, Sequence, Union
 
 import kerasdist
-from kerasdist.plugin_tools import check_number
+from kerasdist.plugin_tools import check_choice, check_number
 
 from .masks import (MaskConstraint, check_block, check_kernel_fits, magnitude_mask, mask_for,  # noqa: F401
                     parse_pattern)
@@ -77,9 +77,7 @@ class Prune(kerasdist.OptimizationSpec):
             raise kerasdist.KerasdistError("prune: give pattern= or block=, not both.")
         self.target_sparsity = _check_fraction("target_sparsity", self.target_sparsity)
         self.initial_sparsity = _check_fraction("initial_sparsity", self.initial_sparsity)
-        if self.schedule not in SCHEDULES:
-            raise kerasdist.KerasdistError(
-                f"prune: schedule={self.schedule!r} is not valid; choose 'polynomial' or 'constant'.")
+        self.schedule = check_choice(self.schedule, "schedule", "prune", SCHEDULES)
         _check_int("begin_step", self.begin_step, minimum=0)
         _check_int("frequency", self.frequency, minimum=1)
         if self.end_step is not None:
