@@ -10,21 +10,47 @@ own, checked before it is read. Plugins use it through ``kerasdist.plugin_tools.
   kept (``double_checkpoint``) and used first.
 """
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import stat
 import sys
 import tempfile
 
+from . import process_state
 from .errors import KerasdistError
 
 #: Where backups go when a spec names no ``backup_dir`` (one folder per job under it).
 BACKUP_DIR_VAR = "KERASDIST_BACKUP_DIR"
 
+#: Where a non-chief worker's scratch folder goes (default: the temp dir; ``kerasdist launch`` sets it).
+SCRATCH_DIR_VAR = "KERASDIST_SCRATCH_DIR"
+
 IDENTITY_FILE = "kerasdist-job.json"
 _KERAS_FILES = ("latest.weights.h5", "training_metadata.json", "latest.weights.h5.bkp",
                 "training_metadata.json.bkp")
+
+
+def count_fit():
+    """The index of this fit call in this process (the same on every worker: it names the fit's backup)."""
+    fits = process_state.slot("private_backups.fits", lambda: [0])
+    fits[0] += 1
+    return fits[0] - 1
+
+
+def scratch_dir():
+    """A per-process temporary directory for a non-chief worker's writes, removed at exit (kept across
+    ``process_state.reset()``: one directory a process)."""
+    made = process_state.slot("private_backups.scratch_dir", list, keep=True)
+    if not made:
+        root = os.environ.get(SCRATCH_DIR_VAR) or None
+        if root:
+            os.makedirs(root, exist_ok=True)
+        made.append(tempfile.mkdtemp(prefix="kerasdist-worker-", dir=root))
+        atexit.register(shutil.rmtree, made[0], True)
+    return made[0]
 
 
 def job_identity(model, strategy):

@@ -1,24 +1,16 @@
 """Worker-side behaviour: chief-only writes, a scratch folder, and numpy input that every worker shuffles
 alike (the backup is in backup.py)."""
 
-import atexit
 import os
 import shutil
-import tempfile
 
 import keras
 
-from kerasdist.plugin_tools import arrays_as_dataset, process_state
+from kerasdist.plugin_tools import arrays_as_dataset, private_backups
 
-from .options import SCRATCH_DIR_VAR
-
-
-def count_fit():
-    """The index of this fit call in this process (the same on every worker)."""
-    fits = process_state.slot("multiworker.fits", lambda: [0])
-    fits[0] += 1
-    return fits[0] - 1
-
+#: Shared with data_parallel on torch (``kerasdist.plugin_tools.private_backups``).
+count_fit = private_backups.count_fit
+scratch_dir = private_backups.scratch_dir
 
 #: Callback attributes naming where a callback writes; non-chief workers write under scratch.
 _WRITE_ATTRIBUTES = (("ModelCheckpoint", "filepath"), ("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
@@ -61,15 +53,3 @@ def shuffle_arrays_alike(call_kwargs, seed):
     if call_kwargs.get("shuffle", True):
         arrays_as_dataset(call_kwargs, seed)
 
-
-def scratch_dir():
-    """A per-process temporary directory for a non-chief worker's writes, removed at exit (kept across
-    ``process_state.reset()``: one directory a process)."""
-    made = process_state.slot("multiworker.scratch_dir", list, keep=True)
-    if not made:
-        root = os.environ.get(SCRATCH_DIR_VAR) or None
-        if root:
-            os.makedirs(root, exist_ok=True)
-        made.append(tempfile.mkdtemp(prefix="kerasdist-worker-", dir=root))
-        atexit.register(shutil.rmtree, made[0], True)
-    return made[0]
