@@ -5,8 +5,6 @@ from kerasdist.plugin_tools import private_backups
 
 IDENTITY_FILE = private_backups.IDENTITY_FILE
 add_backup = private_backups.add_backup
-backup_folder = private_backups.backup_folder
 default_root = private_backups.default_root
-inspect = private_backups.inspect
 job_identity = private_backups.job_identity
 private_folder = private_backups.private_folder

@@ -14,7 +14,8 @@ import dataclasses
 from typing import Optional
 
 import kerasdist
-from kerasdist.plugin_tools import check_number, keras_backend, keras_wraps_ddp, synchronize_torch_batch_norm
+from kerasdist.plugin_tools import (check_choice, check_number, keras_backend, keras_wraps_ddp,
+                                    synchronize_torch_batch_norm)
 
 from . import group, launching  # the modules that use Keras are imported by the hooks (none at plugin loading)
 from .sharding import create_fsdp_group, register_fsdp, shard_model, shard_optimizer  # noqa: F401  distribute="fsdp"
@@ -45,7 +46,8 @@ class TorchDataParallelSpec(kerasdist.StrategySpec):
     backup_dir: Optional[str] = None
 
     def __post_init__(self):
-        group.check_backend_name(self.backend)
+        self.backend = check_choice(self.backend, "backend", "data_parallel (torch)", group.TORCH_BACKENDS,
+                                    allow_none=True)
         check_number(self.timeout_s, "timeout_s", "data_parallel (torch)", minimum=0, inclusive_minimum=False)
 
     def identity(self):

@@ -60,10 +60,6 @@ class RankShare(keras.utils.PyDataset):
     def __len__(self):
         return self._count
 
-    @property
-    def num_batches(self):
-        return self._count
-
     def __getitem__(self, index):
         if index >= self._count:
             raise IndexError(index)

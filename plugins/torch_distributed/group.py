@@ -10,10 +10,12 @@ import contextlib
 import datetime
 import os
 
-from kerasdist import ClusterConfigError, KerasdistError
+from kerasdist import ClusterConfigError
 from kerasdist.plugin_tools import number_from_env, port_is_free, split_address
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: The torch.distributed backends a spec may name (None: gloo on CPU, NCCL with CUDA).
+TORCH_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 class TorchDataParallel:
@@ -41,17 +43,26 @@ class TorchDataParallel:
                 f"device={self.device!r})")
 
 
+def torchrun_ranks(environ):
+    """``(rank, world_size, local_rank, master_host, master_port)`` from torchrun's variables, or None when
+    they are not all set; a bad value raises :class:`kerasdist.ClusterConfigError` naming it."""
+    if not all(environ.get(name) for name in TORCHRUN_VARIABLES):
+        return None
+    rank = number_from_env(environ, "RANK", int)
+    world = number_from_env(environ, "WORLD_SIZE", int, minimum=1)
+    port = number_from_env(environ, "MASTER_PORT", int, minimum=1, maximum=65535)
+    if rank >= world:
+        raise ClusterConfigError(f"RANK={rank} is not below WORLD_SIZE={world}; give each process a rank "
+                                 f"in 0..{world - 1} (torchrun and kerasdist launch do).")
+    local = number_from_env(environ, "LOCAL_RANK", int, default=rank)
+    return rank, world, local, environ["MASTER_ADDR"], port
+
+
 def ranks_from(cluster, environ):
     """``(rank, world_size, local_rank, master_host, master_port)`` of this process, or None for one process."""
-    if all(environ.get(name) for name in TORCHRUN_VARIABLES):
-        rank = number_from_env(environ, "RANK", int)
-        world = number_from_env(environ, "WORLD_SIZE", int, minimum=1)
-        port = number_from_env(environ, "MASTER_PORT", int, minimum=1, maximum=65535)
-        if rank >= world:
-            raise ClusterConfigError(f"RANK={rank} is not below WORLD_SIZE={world}; give each process a rank "
-                                     f"in 0..{world - 1} (torchrun and kerasdist launch do).")
-        local = number_from_env(environ, "LOCAL_RANK", int, default=rank)
-        return rank, world, local, environ["MASTER_ADDR"], port
+    found = torchrun_ranks(environ)
+    if found is not None:
+        return found
     if cluster is None or cluster.is_local or cluster.has_parameter_servers:
         return None
     tasks = list(cluster.cluster.get("chief", ())) + list(cluster.cluster.get("worker", ()))
@@ -101,8 +112,3 @@ def join(cluster, backend=None, timeout_s=300.0, environ=None):
 def _host(host):
     return f"[{host}]" if ":" in host else host
 
-
-def check_backend_name(backend):
-    if backend is not None and backend not in ("gloo", "nccl", "mpi", "ucc"):
-        raise KerasdistError(f"data_parallel (torch): backend={backend!r} is not valid; choose 'gloo' (CPU), "
-                             "'nccl' (NVIDIA GPUs), 'mpi' or 'ucc', or None (gloo on CPU, NCCL with CUDA).")

@@ -6,30 +6,21 @@ plugin (its ranks are mapped in group.py), so a process that has both is read on
 """
 
 from kerasdist import ClusterInfo
-from kerasdist.plugin_tools import keras_backend, number_from_env, split_address
+from kerasdist.plugin_tools import keras_backend, split_address
 
-from .group import TORCHRUN_VARIABLES
-
-#: What torchrun sets (cluster hints: ``kerasdist launch`` removes them from its own environment).
-HINTS = TORCHRUN_VARIABLES + ("LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+from .group import torchrun_ranks
 
 
 def detect(environ):
     """A :class:`kerasdist.ClusterInfo` (source "torchrun") from torchrun's variables, else None."""
     if environ.get("TF_CONFIG", "").strip() or "SLURM_PROCID" in environ:
         return None
-    if not all(environ.get(name) for name in TORCHRUN_VARIABLES):
+    found = torchrun_ranks(environ)
+    if found is None or found[1] < 2:
         return None
-    rank = number_from_env(environ, "RANK", int)
-    world = number_from_env(environ, "WORLD_SIZE", int, minimum=1)
-    port = number_from_env(environ, "MASTER_PORT", int, minimum=1, maximum=65535)
-    if world < 2:
-        return None
-    rendezvous = f"{environ['MASTER_ADDR']}:{port}"
-    return ClusterInfo(task_type="worker", task_index=rank, cluster={"worker": [rendezvous] * world},
-                       source="torchrun", extra={"rendezvous": rendezvous, "world_size": world,
-                                                 "local_rank": number_from_env(environ, "LOCAL_RANK", int,
-                                                                               default=rank)})
+    rank, world, local, host, port = found
+    return ClusterInfo(task_type="worker", task_index=rank, cluster={"worker": [f"{host}:{port}"] * world},
+                       source="torchrun", extra={"local_rank": local})
 
 
 def launch_environment(worker, environ):

@@ -16,9 +16,7 @@ from typing import Optional
 import kerasdist
 from kerasdist import KerasdistError
 
-from .group import join
-
-TORCH_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+from .group import TORCH_BACKENDS, TorchDataParallel, join
 
 
 @dataclasses.dataclass
@@ -39,23 +37,15 @@ class FullySharded(kerasdist.StrategySpec):
         check_number(self.timeout_s, "timeout_s", "fsdp", minimum=0, inclusive_minimum=False)
 
 
-class ShardedGroup:
-    """The strategy object of "fsdp": the process group and its one-axis device mesh."""
+class ShardedGroup(TorchDataParallel):
+    """The strategy object of "fsdp": the process group (as data_parallel's) and its one-axis device mesh.
+    The data_parallel hooks leave it alone: they act only on a ``TorchDataParallelSpec``."""
 
     def __init__(self, group):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.group = group
-        self.rank, self.world_size = group.rank, group.world_size
+        super().__init__(group.rank, group.world_size, group.local_rank, group.backend, group.device)
         self.mesh = init_device_mesh(group.device, (group.world_size,)) if group.world_size > 1 else None
-
-    num_replicas_in_sync = property(lambda self: self.world_size)
-    is_chief = property(lambda self: self.rank == 0)
-
-    def scope(self):
-        import contextlib
-
-        return contextlib.nullcontext()
 
     def __repr__(self):
         return f"ShardedGroup(rank={self.rank}, world_size={self.world_size})"
