@@ -12,7 +12,7 @@ import os
 
 import kerasdist
 from kerasdist import ClusterConfigError
-from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env
+from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups
 
 from .gradients import gradient_transport, use_ring
 from .join import TooLate, check_port_free, join_cluster, state
@@ -170,12 +170,12 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
 
         # weighting replicas by their batch share costs one small collective per step: only when needed
         set_batch_share_weighting(model, may_split_unevenly(call_kwargs, strategy.num_replicas_in_sync))
-        index = workers.count_fit()
+        index = private_backups.count_fit()
         workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
         if spec.backup:
-            backup.add_backup(call_kwargs, spec, model, strategy, index, chief, workers.scratch_dir())
+            backup.add_backup(call_kwargs, spec, model, strategy, index, chief, private_backups.scratch_dir())
     if not chief:
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0
         if method == "fit":  # the paths are given back at the end of training
-            workers.redirect_writes(call_kwargs, workers.scratch_dir())
+            workers.redirect_writes(call_kwargs, private_backups.scratch_dir())

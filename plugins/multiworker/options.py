@@ -5,7 +5,7 @@ from typing import Optional
 
 import kerasdist
 from kerasdist import ClusterConfigError, KerasdistError
-from kerasdist.plugin_tools import number_from_env
+from kerasdist.plugin_tools import number_from_env, private_backups
 
 COMMUNICATION_VAR = "KERASDIST_COMMUNICATION"
 BYTES_PER_PACK_VAR = "KERASDIST_BYTES_PER_PACK"
@@ -13,7 +13,7 @@ COLLECTIVE_TIMEOUT_VAR = "KERASDIST_COLLECTIVE_TIMEOUT"
 JOIN_TIMEOUT_VAR = "KERASDIST_JOIN_TIMEOUT"
 BACKUP_DIR_VAR = "KERASDIST_BACKUP_DIR"
 #: Parent of non-chief workers' temporary write directories (kerasdist launch removes it at the end).
-SCRATCH_DIR_VAR = "KERASDIST_SCRATCH_DIR"
+SCRATCH_DIR_VAR = private_backups.SCRATCH_DIR_VAR
 DEFAULT_JOIN_TIMEOUT = 300.0
 _COMMUNICATIONS = ("auto", "tcp", "ring", "nccl")
 _SHARD_POLICIES = ("auto", "data", "file", "off")

@@ -6,11 +6,8 @@ import shutil
 
 import keras
 
-from kerasdist.plugin_tools import arrays_as_dataset, private_backups
+from kerasdist.plugin_tools import arrays_as_dataset
 
-#: Shared with data_parallel on torch (``kerasdist.plugin_tools.private_backups``).
-count_fit = private_backups.count_fit
-scratch_dir = private_backups.scratch_dir
 
 #: Callback attributes naming where a callback writes; non-chief workers write under scratch.
 _WRITE_ATTRIBUTES = (("ModelCheckpoint", "filepath"), ("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
