@@ -561,7 +561,8 @@ def test_mirrored_strategy_collective_keys_are_rebuilt_from_the_base_until_first
 def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     """_keras_internals/torch.py and plugins/torch_distributed (in a torch process): the torch trainer's step
     scales the loss through ``optimizer.scale_loss`` and updates through ``optimizer.apply`` (both wrapped per
-    instance); ``BatchNormalization._moments``/``_reduction_axes``, replaced by summed moments, give Keras's
+    instance), the loss tracker before ``apply`` and the compiled metrics (``_compile_metrics``) after it;
+    ``BatchNormalization._moments``/``_reduction_axes``, replaced by summed moments, give Keras's
     own moments when the sum is over one process; this Keras does not wrap models in DDP itself."""
     import subprocess
     import sys
@@ -569,9 +570,19 @@ def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     code = """
 import inspect, numpy as np, torch, keras
 from keras.src.backend.torch import trainer
-from kerasdist._keras_internals.torch import keras_wraps_ddp, synchronize_torch_batch_norm
+from kerasdist._keras_internals.torch import keras_wraps_ddp, metrics_updated_after_apply, synchronize_torch_batch_norm
 step = inspect.getsource(trainer.TorchTrainer.train_step)
 assert "self.optimizer.scale_loss(loss)" in step and "self.optimizer.apply(gradients, trainable_weights)" in step
+order = [step.index(piece) for piece in ("self._loss_tracker.update_state(", "self.optimizer.apply(",
+                                         "return self.compute_metrics(")]
+assert order == sorted(order), order  # loss tracker before apply, compiled metrics after
+compiled = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+compiled.compile(loss="mse", metrics=["mae"])
+assert metrics_updated_after_apply(compiled) == [compiled._compile_metrics]
+class OwnStep(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
+assert metrics_updated_after_apply(OwnStep([keras.Input((3,)), keras.layers.Dense(1)])) is None
 assert not keras_wraps_ddp()
 model = keras.Sequential([keras.Input((5, 3)), keras.layers.BatchNormalization()])
 layer = model.layers[0]

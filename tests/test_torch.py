@@ -42,7 +42,8 @@ def _launch(out, *args, check=True, **env):
 
 #: scenario -> torch_train.py switches. All of them train in ONE `kerasdist launch -n 2` and their references
 #: in ONE plain process (tests/workers/torch_cases.py runs them in turn): one start-up and rendezvous for all.
-SCENARIOS = {"built": [], "unbuilt": ["--unbuilt"], "uneven": ["--rows", "46", "--batch", "15"]}
+SCENARIOS = {"built": [], "unbuilt": ["--unbuilt"], "uneven": ["--rows", "46", "--batch", "15"],
+             "no_metrics": ["--no-metrics"], "own_step": ["--custom-step", "--rows", "46", "--batch", "15"]}
 #: run only under the launch: the SIGKILL test's uninterrupted 4-epoch run
 LAUNCH_ONLY = {"uninterrupted": ["--epochs", "4"]}
 
@@ -71,7 +72,9 @@ def _assert_like_one_process(ranks, single, atol):
         for got, want in zip(_weights(rank), _weights(single)):
             np.testing.assert_allclose(got, want, atol=atol, rtol=0)
         np.testing.assert_allclose(rank["loss"], single["loss"], atol=atol, rtol=1e-6)  # all-reduced logs
+        np.testing.assert_allclose(rank["batch_logs"], single["batch_logs"], atol=atol, rtol=1e-6)  # each batch's
     first, second = ranks
+    np.testing.assert_array_equal(first["batch_logs"], second["batch_logs"])
     np.testing.assert_array_equal(first["evaluate"], second["evaluate"])  # every rank: the same metrics
     np.testing.assert_array_equal(first["predict"], second["predict"])  # every rank: every prediction
     np.testing.assert_allclose(first["evaluate"], single["evaluate"], atol=atol, rtol=1e-6)
@@ -128,6 +131,13 @@ def test_uneven_and_empty_shares_train_like_one_process(two_ranks, one_process):
 
 
 # -- Must show 3, and a rank that dies ---------------------------------------------------------------
+
+def test_batch_logs_without_metrics_or_with_a_custom_train_step_are_the_global_batch_s(two_ranks, one_process):
+    """Keras's own step: the loss tracker's states ride in the gradients' all-reduce (no metrics: one
+    collective a step); a model class with its own train_step: every state summed when the logs are read."""
+    for name in ("no_metrics", "own_step"):
+        _assert_like_one_process(_scenario(two_ranks, name), _scenario(one_process, name, [0])[0], atol=1e-5)
+
 
 def test_sigkilled_worker_job_ends_then_resumes_from_the_backup(tmp_path, two_ranks):
     """Rank 1 SIGKILLed in epoch 3: the job ends non-zero within 30 s, no process left; relaunched unchanged,

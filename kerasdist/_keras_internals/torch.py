@@ -5,6 +5,8 @@
   must not all-reduce gradients or metrics a second time.
 - ``BatchNormalization._moments`` (private, replaced per instance) for batch statistics over every rank.
 - ``Layer._flatten_layers`` (private) to find nested layers.
+- The order of Keras's own torch ``train_step``: the loss trackers are updated before ``optimizer.apply``,
+  the compiled metrics (``Trainer._compile_metrics``, private) after it, in ``compute_metrics``.
 
 torch is imported only inside the functions (``import kerasdist`` never imports it).
 """
@@ -34,6 +36,21 @@ def keras_wraps_ddp():
         return "DistributedDataParallel" in inspect.getsource(trainer)
     except (ImportError, OSError, TypeError):
         return False
+
+
+def metrics_updated_after_apply(model):
+    """The metrics Keras's own torch ``train_step`` updates after ``optimizer.apply`` (the compiled metrics:
+    a list of zero or one ``Metric``), or None when the model's class or instance replaces ``train_step`` or
+    ``compute_metrics`` (the order is then the user's)."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+    from keras.src.trainers.trainer import Trainer
+
+    if type(model).train_step is not TorchTrainer.train_step or "train_step" in vars(model):
+        return None
+    if type(model).compute_metrics is not Trainer.compute_metrics or "compute_metrics" in vars(model):
+        return None
+    compiled = getattr(model, "_compile_metrics", None)
+    return [compiled] if compiled is not None else []
 
 
 def synchronize_torch_batch_norm(model, sum_across, weight_of_rows=lambda: 1.0):

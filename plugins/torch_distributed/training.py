@@ -10,13 +10,19 @@ differ (an uneven last batch) or one is empty. Because the weighting happens bef
 BatchNormalization are weighted right too. Keras then applies its own clipping, loss scaling and gradient
 accumulation to that gradient, exactly as on one device.
 
+Metrics: every rank logs the metrics of every rank (their states summed, additive: totals, counts, confusion
+counts). With Keras's own ``train_step`` and ``compute_metrics`` the states the step has already updated when
+``optimizer.apply`` runs (the loss trackers) travel in the gradients' all-reduce, and only the compiled
+metrics, updated after it, need a second (small) one: one collective a step for a model compiled without
+``metrics=``. With a custom step every state is summed when the results are read.
+
 A rank whose share of a batch is empty gets a placeholder row (data.py marks it with a sample weight of
 -0.0): it runs the same forward/backward (the same collectives) with weight 0, and its metrics are untouched.
 """
 
 import keras
 
-from kerasdist.plugin_tools import unique_variables
+from kerasdist.plugin_tools import metrics_updated_after_apply, unique_variables
 
 PLACEHOLDER_MARK = -0.0  # the sample weight of a placeholder row (a rank with no rows in this batch)
 
@@ -27,6 +33,8 @@ class StepState:
     rows = 1
     placeholder = False
     unit = None  # the largest share of the first training step, agreed by every rank
+    riders = None  # the metric states that ride in this step's gradient all-reduce (Keras's own step only)
+    summed = None  # (those variables, their sums over the ranks), for this step's get_metrics_result
 
     @property
     def weight(self):
@@ -75,14 +83,19 @@ def install(model, optimizer, state):
 
 
 def _train_step(model, original, state):
+    after_apply = metrics_updated_after_apply(model)
+
     def train_step(data):
+        state.riders = None if after_apply is None else _states_before_apply(model, after_apply)
+        state.summed = None
         state.placeholder = is_placeholder(data)
         state.rows = 0 if state.placeholder else local_rows(data)
         if state.unit is None:
             state.unit = _largest(state.rows)
-        if not state.placeholder:
-            return original(data)
-        return _placeholder_step(model, data)
+        try:
+            return original(data) if not state.placeholder else _placeholder_step(model, data)
+        finally:
+            state.riders = state.summed = None
 
     return train_step
 
@@ -138,9 +151,13 @@ def _averaged_apply(original, state):
 
         like = [g for g in grads if g is not None]
         device = like[0].device if like else "cpu"
+        riders = state.riders or []
         flat = torch.cat([g.reshape(-1).float() for g in like]
+                         + [v.value.detach().reshape(-1).float().to(device) for v in riders]
                          + [torch.tensor([state.weight], device=device)])
         dist.all_reduce(flat)
+        if state.riders is not None:
+            state.summed = (riders, _split(flat[sum(g.numel() for g in like):-1], riders))
         total = flat[-1] if float(flat[-1]) > 0 else torch.ones((), device=device)  # every share empty: no step
         averaged, at = [], 0
         for g in grads:
@@ -155,24 +172,46 @@ def _averaged_apply(original, state):
     return apply
 
 
+def _states_before_apply(model, after_apply):
+    """The metric states Keras's own training step has updated when it calls ``optimizer.apply`` (float32
+    ones: they ride in the gradients' float32 all-reduce)."""
+    later = {id(v) for m in after_apply for v in m.variables}
+    return [v for v in unique_variables(v for m in model.metrics for v in m.variables)
+            if id(v) not in later and str(v.dtype) == "float32"]
+
+
+def _split(flat, variables):
+    parts, at = [], 0
+    for variable in variables:
+        parts.append(flat[at:at + variable.value.numel()].reshape(variable.value.shape))
+        at += variable.value.numel()
+    return parts
+
+
 def _all_reduced_metrics(model, original):
     """``get_metrics_result`` over every rank: the metrics' state variables (totals, counts, confusion
-    counts: additive) summed over the ranks for the result, then put back, so each rank keeps its own."""
+    counts: additive) summed over the ranks for the result, then put back, so each rank keeps its own. The
+    states summed in this step's gradient all-reduce are taken from there; the rest in one all-reduce."""
     def get_metrics_result():
         import torch
         import torch.distributed as dist
 
-        variables = unique_variables(v for m in model.metrics for v in m.variables)
-        if not variables:
+        state = model._kerasdist_torch
+        summed_variables, sums = state.summed or ([], [])
+        state.summed = None  # read once: a later call (epoch end) sums every state again
+        done = {id(v) for v in summed_variables}
+        rest = [v for v in unique_variables(v for m in model.metrics for v in m.variables) if id(v) not in done]
+        if not rest and not summed_variables:
             return original()
+        variables = summed_variables + rest
         local = [v.value.detach().clone() for v in variables]
-        flat = torch.cat([t.reshape(-1).double() for t in local])
-        dist.all_reduce(flat)
-        at = 0
+        if rest:
+            flat = torch.cat([v.value.detach().reshape(-1).double() for v in rest])
+            dist.all_reduce(flat)
+            sums = sums + _split(flat, rest)
         with torch.no_grad():
-            for variable, value in zip(variables, local):
-                variable.assign(flat[at:at + value.numel()].reshape(value.shape).to(value.dtype))
-                at += value.numel()
+            for variable, value, total in zip(variables, local, sums):
+                variable.assign(total.to(value.dtype))
             try:
                 result = keras.tree.map_structure(
                     lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, original())

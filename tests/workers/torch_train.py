@@ -2,7 +2,7 @@
 
 Usage: torch_train.py OUT_DIR [--epochs N] [--batch B] [--rows R] [--distribute WORD|none] [--input arrays|
 dataloader|pydataset|tfdata] [--policy P] [--accumulate K] [--bn] [--sync-bn] [--backup DIR]
-[--checkpoint]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E (1-based). Writes OUT_DIR/rank{r}.npz (weights, history, evaluate, predict).
+[--checkpoint] [--no-metrics] [--custom-step]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E (1-based). Writes OUT_DIR/rank{r}.npz (weights, history, evaluate, predict).
 ``main(argv)`` runs one job in this process (tests/workers/torch_cases.py runs several in turn).
 """
 
@@ -36,6 +36,8 @@ def arguments(argv=None):
     parser.add_argument("--checkpoint", action="store_true")
     parser.add_argument("--unbuilt", action="store_true", help="no Input: the model is built by fit")
     parser.add_argument("--seed", type=int, default=1, help="rank 0's weight seed (rank r: seed + r)")
+    parser.add_argument("--no-metrics", action="store_true", help="compile without metrics=")
+    parser.add_argument("--custom-step", action="store_true", help="a model class with its own train_step")
     return parser.parse_args(argv)
 
 
@@ -46,14 +48,32 @@ def data(rows):
     return x, y
 
 
-def model(bn, unbuilt=False, seed=1):
+class OwnStep(keras.Sequential):
+    """A user's train_step (here Keras's, called through super()): kerasdist cannot know its order."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def model(bn, unbuilt=False, seed=1, custom_step=False):
     keras.utils.set_random_seed(seed)
     layers = [] if unbuilt else [keras.Input((8,))]
     layers += [keras.layers.Dense(16, activation="relu")]
     if bn:
         layers.append(keras.layers.BatchNormalization())
     layers.append(keras.layers.Dense(1))
-    return keras.Sequential(layers)
+    return (OwnStep if custom_step else keras.Sequential)(layers)
+
+
+class BatchLogs(keras.callbacks.Callback):
+    """Every training batch's logs (all-reduced: each rank must log the global batch's figures)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.rows.append([float(logs[k]) for k in sorted(logs)])
 
 
 def as_input(kind, x, y, batch):
@@ -97,12 +117,14 @@ def main(argv=None):
     keras.mixed_precision.set_global_policy(args.policy)
     x, y = data(args.rows)
     # each rank draws other initial weights: rank 0's must reach every rank (one process: rank 0's seed)
-    net = model(args.bn, args.unbuilt, args.seed + int(os.environ.get("RANK", "0")))
+    net = model(args.bn, args.unbuilt, args.seed + int(os.environ.get("RANK", "0")), args.custom_step)
     distribute = None if args.distribute == "none" else (
         kerasdist.spec(args.distribute, sync_batch_norm=True) if args.sync_bn else args.distribute)
     optimizer = keras.optimizers.SGD(0.05, gradient_accumulation_steps=args.accumulate)
-    net.compile(optimizer=optimizer, loss="mse", metrics=["mae"], distribute=distribute)
-    callbacks = []
+    net.compile(optimizer=optimizer, loss="mse", metrics=None if args.no_metrics else ["mae"],
+                distribute=distribute)
+    batch_logs = BatchLogs()
+    callbacks = [batch_logs]
     if args.backup:
         callbacks.append(keras.callbacks.BackupAndRestore(args.backup))
     if os.environ.get("TORCH_TEST_KILL_AT"):  # not an argument: the relaunched job is the same job
@@ -116,8 +138,10 @@ def main(argv=None):
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), *[np.asarray(w, dtype="float64") for w in net.get_weights()],
-             loss=np.asarray(history.history["loss"]), mae=np.asarray(history.history["mae"]),
-             evaluate=np.asarray([evaluated["loss"], evaluated["mae"]]), predict=np.asarray(predicted, "float64"),
+             loss=np.asarray(history.history["loss"]), mae=np.asarray(history.history.get("mae", [])),
+             batch_logs=np.asarray(batch_logs.rows),
+             evaluate=np.asarray([evaluated["loss"], evaluated.get("mae", 0.0)]),
+             predict=np.asarray(predicted, "float64"),
              epochs_run=np.asarray(len(history.history["loss"])))
     print(f"rank {rank} done: loss {history.history['loss']}", flush=True)
 
