@@ -10,6 +10,7 @@ from kerasdist.plugin_tools import route_gradient_all_reduce, set_log_summer, sp
 from . import ring as tcp_ring
 from .join import state
 from .options import COMMUNICATION_VAR
+from .probe import keep_ring_if_faster
 
 #: How long workers wait for each other while connecting the gradient ring.
 RING_CONNECT_TIMEOUT = 60.0
@@ -18,7 +19,8 @@ RING_CONNECT_TIMEOUT = 60.0
 def use_ring(model, strategy, method):
     """Send this model's gradients and logs over the TCP ring, when the workers agreed on one."""
     if state.ring is None:
-        state.ring = agree_on_ring(strategy, state.cluster, state.options) or False
+        ring = agree_on_ring(strategy, state.cluster, state.options)
+        state.ring = keep_ring_if_faster(ring, model, strategy, state.options) or False  # auto: measured
     ring = state.ring
     set_log_summer(strategy, ring.size if ring else 0, ring.sum_tensors if ring else None)
     if method == "fit":

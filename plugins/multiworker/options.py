@@ -11,6 +11,8 @@ COMMUNICATION_VAR = "KERASDIST_COMMUNICATION"
 BYTES_PER_PACK_VAR = "KERASDIST_BYTES_PER_PACK"
 COLLECTIVE_TIMEOUT_VAR = "KERASDIST_COLLECTIVE_TIMEOUT"
 JOIN_TIMEOUT_VAR = "KERASDIST_JOIN_TIMEOUT"
+#: "off": communication "auto" keeps the TCP ring on CPU workers without measuring it against TensorFlow's.
+PROBE_VAR = "KERASDIST_TRANSPORT_PROBE"
 BACKUP_DIR_VAR = "KERASDIST_BACKUP_DIR"
 #: Parent of non-chief workers' temporary write directories (kerasdist launch removes it at the end).
 SCRATCH_DIR_VAR = private_backups.SCRATCH_DIR_VAR
@@ -30,10 +32,12 @@ class MultiWorker(kerasdist.StrategySpec):
     ``KERASDIST_COLLECTIVE_TIMEOUT``; ``kerasdist launch`` sets them from its
     flags). Giving different values here is an error.
 
-    :param communication: "auto" (kerasdist's TCP ring when every worker trains on one CPU
-        device, else TensorFlow's choice), "tcp" (always the TCP ring: gradients and per-step
-        logs over plain sockets, the rest over TensorFlow's collectives), "ring" (TensorFlow's
-        gRPC ring for everything) or "nccl" (GPUs).
+    :param communication: "auto" (when every worker trains on one CPU device, kerasdist's TCP
+        ring or TensorFlow's collectives, whichever a short probe at the first ``fit`` finds
+        faster for a gradient-sized all-reduce, rank 0 deciding for all; ``KERASDIST_TRANSPORT_PROBE=off``
+        skips the probe and keeps the ring; on GPUs TensorFlow's choice), "tcp" (always the TCP
+        ring, no probe: gradients and per-step logs over plain sockets, the rest over TensorFlow's
+        collectives), "ring" (TensorFlow's gRPC ring for everything) or "nccl" (GPUs).
     :param bytes_per_pack: pack gradients into all-reduces of about this size (0: one pack).
     :param timeout_seconds: abort a collective that takes longer (None: no limit).
     :param shard_policy: how a ``tf.data.Dataset`` is split across workers: "auto"
@@ -65,6 +69,7 @@ class CollectiveOptions:
     communication: str = "auto"
     bytes_per_pack: int = 0
     timeout_seconds: Optional[float] = None
+    probe: bool = True  # "auto" measures the TCP ring against TensorFlow's collectives
 
     @classmethod
     def from_env(cls, environ):
@@ -72,8 +77,13 @@ class CollectiveOptions:
         if communication not in _COMMUNICATIONS:
             raise ClusterConfigError(f"{COMMUNICATION_VAR}={communication!r} is not valid; choose one of "
                                      f"{', '.join(_COMMUNICATIONS)}.")
+        probe = environ.get(PROBE_VAR, "on").strip().lower() or "on"
+        if probe not in ("on", "off"):
+            raise ClusterConfigError(f"{PROBE_VAR}={probe!r} is not valid; choose on (communication auto measures "
+                                     "the TCP ring against TensorFlow's collectives, the default) or off (auto "
+                                     "keeps the ring on CPU workers unmeasured).")
         return cls(communication, number_from_env(environ, BYTES_PER_PACK_VAR, int, 0),
-                   number_from_env(environ, COLLECTIVE_TIMEOUT_VAR, float, None))
+                   number_from_env(environ, COLLECTIVE_TIMEOUT_VAR, float, None), probe == "on")
 
     def tf_options(self):
         import tensorflow as tf

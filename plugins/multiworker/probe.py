@@ -1,0 +1,119 @@
+"""communication="auto" on CPU workers: the TCP ring or TensorFlow's collectives, whichever is faster here.
+
+At the first ``fit``/``evaluate`` of the process, once the TCP ring is connected, every worker sums a
+buffer the size of the model's gradients (its trainable parameters, float32) a few times through the
+ring and through TensorFlow's collective all-reduce (the one the strategy uses for Keras's gradients),
+alternating the two. Rank 0's medians decide, and every worker receives that decision over the ring,
+so workers can never choose differently (and hang). The ring wins on the machines measured so far
+(docs/benchmarks.md); on a CPU where it does not, ``auto`` takes TensorFlow's collectives.
+"""
+
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Optional
+
+import numpy as np
+
+from kerasdist.plugin_tools import process_state
+
+log = logging.getLogger("kerasdist.multiworker")
+
+#: Gradient size probed when the model has no weights yet (2 MiB of float32).
+DEFAULT_PARAMETERS = 1 << 19
+#: Timed rounds (one all-reduce on each transport per round): at least MIN, at most MAX, and no new
+#: round once the timed all-reduces took BUDGET_S in all on any worker.
+MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 9, 0.3
+_CHOICES = ("tcp", "tensorflow")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """What the probe measured and chose (the medians are rank 0's: the ones that decided)."""
+
+    choice: str  # "tcp" (the ring) or "tensorflow"
+    ring_ms: float
+    tensorflow_ms: float
+    parameters: int  # float32 elements per all-reduce
+    rounds: int
+    own_choice: str  # what this worker's own medians said (rank 0's choice is used)
+
+
+def last_probe() -> Optional[ProbeResult]:
+    """The probe's result in this process, or None (no probe ran: not ``auto``, not CPU workers,
+    the probe turned off with ``KERASDIST_TRANSPORT_PROBE=off``, or before the first ``fit``)."""
+    return _record().get("result")
+
+
+def _record():
+    return process_state.slot("multiworker.transport_probe", dict)
+
+
+def keep_ring_if_faster(ring, model, strategy, options):
+    """``ring`` when it should carry the gradients, else False (the ring is closed).
+
+    Every worker calls this with the ring the workers agreed on (the same truth on all of them). The
+    probe runs only when every worker's setting is "auto" and none turned it off; a "tcp" worker
+    keeps the ring unmeasured. ``options``: this worker's :class:`~.options.CollectiveOptions`.
+    """
+    if not ring or ring.size == 1:
+        return ring
+    wants_probe = options.communication == "auto" and options.probe
+    if ring.all_reduce(np.array([0.0 if wants_probe else 1.0]))[0] > 0:
+        return ring
+    size = _gradient_size(model)
+    ring_s, tensorflow_s, rounds = _medians(ring, strategy, size)
+    own = "tcp" if ring_s <= tensorflow_s else "tensorflow"
+    offer = np.zeros(3) if ring.rank else np.array([_CHOICES.index(own) + 1.0, ring_s, tensorflow_s])
+    code, ring_s, tensorflow_s = ring.all_reduce(offer)  # rank 0's decision and figures, on every worker
+    result = ProbeResult(_CHOICES[int(code) - 1], ring_s * 1e3, tensorflow_s * 1e3, size, rounds, own)
+    _record()["result"] = result
+    if ring.rank == 0:
+        log.info("kerasdist multiworker: gradient all-reduce of %d float32 (%.2f MB), median of %d: TCP ring "
+                 "%.2f ms, TensorFlow's collectives %.2f ms; using %s", size, size * 4e-6, rounds,
+                 result.ring_ms, result.tensorflow_ms,
+                 "the TCP ring" if result.choice == "tcp" else "TensorFlow's collectives")
+    if result.choice == "tcp":
+        return ring
+    ring.close()
+    return False
+
+
+def _gradient_size(model):
+    size = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    return size or DEFAULT_PARAMETERS
+
+
+def _medians(ring, strategy, size):
+    """This worker's median seconds per all-reduce of ``size`` float32, on the ring and on TensorFlow's
+    collectives, and the number of timed rounds (the same on every worker)."""
+    import tensorflow as tf
+
+    buffer = tf.zeros([size], tf.float32)
+
+    @tf.function
+    def ring_sum(x):
+        return ring.sum_tensors([x])[0]
+
+    @tf.function
+    def tensorflow_sum(x):
+        def replica(x):  # a copy on the replica's device, as the gradients are
+            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(x))
+
+        return strategy.run(replica, args=(x,))
+
+    calls = (lambda: ring_sum(buffer).numpy(),
+             lambda: strategy.experimental_local_results(tensorflow_sum(buffer))[0].numpy())
+    for call in calls:  # trace and set up, untimed
+        call()
+    times = ([], [])
+    while True:
+        for call, spent in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            spent.append(time.perf_counter() - start)
+        rounds = len(times[0])
+        done = rounds >= MAX_ROUNDS or (rounds >= MIN_ROUNDS and sum(map(sum, times)) >= BUDGET_S)
+        if ring.all_reduce(np.array([float(done)]))[0] > 0:  # any worker done: all stop together
+            return statistics.median(times[0]), statistics.median(times[1]), rounds
