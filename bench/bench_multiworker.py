@@ -7,20 +7,23 @@ Model: a 512-1024-10 MLP, SGD, per-worker batch 4096 (``--batch``), each process
 time and examples/s (global examples per second), then the ratios:
 
 - scaling: 2 workers with ``distribute="multiworker"`` vs 1 process (plain Keras fit),
-  with the default TCP ring and with TensorFlow's gRPC collectives (``--full``: gradient packing);
+  with the default (communication "auto": the TCP ring or TensorFlow's collectives, whichever its
+  probe at the first fit measures faster; the choice and the probe's medians are printed) and with
+  TensorFlow's gRPC collectives (``--full``: also the ring without the probe, and gradient packing);
 - overhead: ``distribute="multiworker"`` step time vs a hand-written
   MultiWorkerMirroredStrategy custom loop (tf.function + strategy.run) on the same model.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (cpu_description, free_ports, interleaved_rounds, print_summary, run_processes,  # noqa: E402
-                     step_clock)
+from _common import (cpu_description, free_ports, interleaved_rounds, median, print_summary,  # noqa: E402
+                     run_processes, step_clock)
 
 HERE = os.path.abspath(__file__)
 PER_WORKER_BATCH = 4096  # --batch (the driver passes it to every worker)
@@ -70,7 +73,16 @@ def worker_keras(args):
     times = []
     model.fit(make_data(global_batch), steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0,
               callbacks=[step_clock(args.warmup, times)])
-    report(times[args.warmup - 1:], global_batch, cluster)
+    report(times[args.warmup - 1:], global_batch, cluster, transport=None if cluster.is_local else chosen_transport())
+
+
+def chosen_transport():
+    """How this worker's gradients travelled, and what communication "auto"'s probe measured (None: no probe)."""
+    from kerasdist_plugins.multiworker import gradient_transport
+    from kerasdist_plugins.multiworker.probe import last_probe
+
+    probe = last_probe()
+    return {"transport": gradient_transport(), "probe": probe and dataclasses.asdict(probe)}
 
 
 def worker_custom_loop(args):
@@ -114,11 +126,12 @@ def worker_custom_loop(args):
     report(times[args.warmup - 1:], global_batch, None, chief=resolver.task_id == 0)
 
 
-def report(times, global_batch, cluster, chief=None):
+def report(times, global_batch, cluster, chief=None, transport=None):
     chief = cluster.is_local or cluster.is_chief if chief is None else chief
     if chief or os.environ.get("BENCH_BARRIER_DIR"):
         step = (times[-1] - times[0]) / (len(times) - 1)
-        print("RESULT " + json.dumps({"step_s": step, "examples_per_s": global_batch / step}), flush=True)
+        print("RESULT " + json.dumps({"step_s": step, "examples_per_s": global_batch / step} | (transport or {})),
+              flush=True)
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -142,17 +155,35 @@ def run_config(kind, workers, env_extra, args):
                             independent=independent)
     results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
                if line.startswith("RESULT ")]
+    for result in results:
+        if result.get("transport"):
+            PROBES.append(result)
+            print(f"    gradients over {describe_transport(result)}", flush=True)
     return max(results, key=lambda r: r["step_s"])
+
+
+PROBES = []  # the chief's {"transport", "probe"} of every multiworker run
+
+
+def describe_transport(result):
+    probe = result["probe"]
+    name = {"tcp": "the TCP ring", "tensorflow": "TensorFlow's collectives"}[result["transport"]]
+    if not probe:
+        return f"{name} (no probe)"
+    return (f"{name}: auto's probe, median of {probe['rounds']} all-reduces of {probe['parameters']} float32: "
+            f"TCP ring {probe['ring_ms']:.2f} ms, TensorFlow's collectives {probe['tensorflow_ms']:.2f} ms; "
+            f"the probe took {probe['seconds']:.2f} s")
 
 
 CONFIGS = [  # (name, role, workers, environment)
     ("1 process, plain Keras fit", "keras", 1, {}),
     ("2 independent processes, no communication (ceiling)", "keras", 2, {"BENCH_INDEPENDENT": "1"}),
-    ("2 workers, multiworker (default: TCP ring)", "keras", 2, {}),
+    ("2 workers, multiworker (default: auto, measured)", "keras", 2, {}),
     ("2 workers, hand-written MWMS loop (TF defaults)", "custom", 2, {}),
     ("2 workers, multiworker, communication=ring (TF gRPC)", "keras", 2, {"KERASDIST_COMMUNICATION": "ring"}),
 ]
 FULL_CONFIGS = [
+    ("2 workers, multiworker, communication=tcp (ring, no probe)", "keras", 2, {"KERASDIST_COMMUNICATION": "tcp"}),
     ("2 workers, multiworker, ring, bytes_per_pack=1 MiB", "keras", 2,
      {"KERASDIST_COMMUNICATION": "ring", "KERASDIST_BYTES_PER_PACK": str(1 << 20)}),
     ("2 workers, multiworker, ring, bytes_per_pack=256 KiB", "keras", 2,
@@ -185,6 +216,15 @@ def main():
     steps = interleaved_rounds(configs, args.rounds, lambda c: run_config(*c[1:], args)["step_s"])
     print_summary(steps, configs, lambda workers: PER_WORKER_BATCH * workers, "multiworker",
                   "hand-written MWMS loop", ceiling_pace=True)
+    probed = [r for r in PROBES if r["probe"]]
+    if probed:
+        chose = [r["probe"]["choice"] for r in probed]
+        print(f"\ncommunication auto chose: {', '.join(f'{c} {chose.count(c)}x' for c in sorted(set(chose)))} "
+              f"of {len(chose)} runs; probe medians over the runs: TCP ring "
+              f"{median([r['probe']['ring_ms'] for r in probed]):.2f} ms, TensorFlow's collectives "
+              f"{median([r['probe']['tensorflow_ms'] for r in probed]):.2f} ms "
+              f"({probed[0]['probe']['parameters']} float32 per all-reduce; the probe took "
+              f"{median([r['probe']['seconds'] for r in probed]):.2f} s)")
 
 
 if __name__ == "__main__":

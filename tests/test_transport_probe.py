@@ -55,6 +55,7 @@ def test_auto_probes_both_transports_and_every_worker_uses_rank_0s_choice(tmp_pa
     probes = [json.loads(found["PROBE", r]) for r in (0, 1)]
     print(f"probe: {probes}")
     assert [p and p.pop("own_choice") for p in probes] == ["tensorflow", "tcp"]
+    assert all(0 < p.pop("seconds") < 10 for p in probes)  # each worker's own clock
     assert probes[0] == probes[1]  # rank 0's decision and medians, bit for bit
     decided = probes[0]
     assert decided["choice"] == "tensorflow" and decided["parameters"] == PARAMETERS

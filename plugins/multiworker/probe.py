@@ -38,6 +38,7 @@ class ProbeResult:
     parameters: int  # float32 elements per all-reduce
     rounds: int
     own_choice: str  # what this worker's own medians said (rank 0's choice is used)
+    seconds: float  # how long the probe took on this worker, set-up and agreement included
 
 
 def last_probe() -> Optional[ProbeResult]:
@@ -62,18 +63,19 @@ def keep_ring_if_faster(ring, model, strategy, options):
     wants_probe = options.communication == "auto" and options.probe
     if ring.all_reduce(np.array([0.0 if wants_probe else 1.0]))[0] > 0:
         return ring
-    size = _gradient_size(model)
+    start, size = time.perf_counter(), _gradient_size(model)
     ring_s, tensorflow_s, rounds = _medians(ring, strategy, size)
     own = "tcp" if ring_s <= tensorflow_s else "tensorflow"
     offer = np.zeros(3) if ring.rank else np.array([_CHOICES.index(own) + 1.0, ring_s, tensorflow_s])
     code, ring_s, tensorflow_s = ring.all_reduce(offer)  # rank 0's decision and figures, on every worker
-    result = ProbeResult(_CHOICES[int(code) - 1], ring_s * 1e3, tensorflow_s * 1e3, size, rounds, own)
+    result = ProbeResult(_CHOICES[int(code) - 1], ring_s * 1e3, tensorflow_s * 1e3, size, rounds, own,
+                         time.perf_counter() - start)
     _record()["result"] = result
     if ring.rank == 0:
         log.info("kerasdist multiworker: gradient all-reduce of %d float32 (%.2f MB), median of %d: TCP ring "
-                 "%.2f ms, TensorFlow's collectives %.2f ms; using %s", size, size * 4e-6, rounds,
+                 "%.2f ms, TensorFlow's collectives %.2f ms; using %s (probe: %.2f s)", size, size * 4e-6, rounds,
                  result.ring_ms, result.tensorflow_ms,
-                 "the TCP ring" if result.choice == "tcp" else "TensorFlow's collectives")
+                 "the TCP ring" if result.choice == "tcp" else "TensorFlow's collectives", result.seconds)
     if result.choice == "tcp":
         return ring
     ring.close()
@@ -92,11 +94,11 @@ def _medians(ring, strategy, size):
 
     buffer = tf.zeros([size], tf.float32)
 
-    @tf.function
+    @tf.function(autograph=False)  # plain graph building: autograph's conversion cost ~0.3 s (loaded machine)
     def ring_sum(x):
         return ring.sum_tensors([x])[0]
 
-    @tf.function
+    @tf.function(autograph=False)
     def tensorflow_sum(x):
         def replica(x):  # a copy on the replica's device, as the gradients are
             return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(x))
