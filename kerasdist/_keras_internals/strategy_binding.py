@@ -118,7 +118,7 @@ def _copy_on_this_device(variable, kwargs):
     copy = resource_variable_ops.UninitializedVariable(
         shape=variable.shape, dtype=variable.dtype, name=kwargs["name"], trainable=kwargs.get("trainable", True),
         synchronization=kwargs.get("synchronization"), aggregation=kwargs.get("aggregation"))
-    copy.assign(variable.value())
+    copy.assign(variable.value(), read_value=False)  # no unread-variable object built for a result unused
     return copy
 
 
