@@ -9,6 +9,7 @@ import kerasdist  # noqa: I001  first: joins the cluster before any TensorFlow o
 
 import dataclasses
 import json
+import logging
 import os
 import runpy
 import sys
@@ -26,6 +27,7 @@ def favour(transport, measure):
 
 
 def main():
+    logging.basicConfig(level=logging.INFO, format="LOG %(name)s %(message)s", stream=sys.stdout)
     if os.environ.get("PROBE_TEST_FAVOUR"):
         transport = os.environ["PROBE_TEST_FAVOUR"].split(",")[kerasdist.detect_cluster().task_index]
         probe._medians = favour(transport, probe._medians)
