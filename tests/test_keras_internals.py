@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from kerasdist import KerasdistError
 from kerasdist import _keras_internals as internals
-from kerasdist._keras_internals import multiworker_fit, versions
+from kerasdist._keras_internals import multiworker_fit, strategy_binding, versions
 
 
 def test_running_keras_is_a_checked_version():
@@ -169,7 +169,16 @@ def test_move_keeps_identity_and_values_and_mirrors_everything():
         optimizer._var_key(v) for v in model.trainable_variables}
 
 
-def test_move_to_mirrored_reuses_each_variable_as_its_first_component_and_copies_it_once():
+@pytest.fixture(params=["direct", "creator stack"])
+def mirroring_path(request, monkeypatch):
+    """Both ways a plain MirroredStrategy's variables are made: directly (strategy_binding._DirectMirroring)
+    and through TensorFlow's variable-creator stack (what every other strategy gets)."""
+    if request.param == "creator stack":
+        monkeypatch.setattr(strategy_binding._DirectMirroring, "for_strategy", classmethod(lambda cls, s: None))
+    return request.param
+
+
+def test_move_to_mirrored_reuses_each_variable_as_its_first_component_and_copies_it_once(mirroring_path):
     """MirroredStrategy's creator asks the next creator for replica 0's component first, with the initial
     value it was given, under replica 0's device, then for the others with a callable and a name ending in
     "/replica_<i>/": moving relies on it to keep the old variable as component 0 (half the work)."""
@@ -187,6 +196,62 @@ def test_move_to_mirrored_reuses_each_variable_as_its_first_component_and_copies
         np.testing.assert_array_equal(second.numpy(), old.numpy())
     model.layers[0].kernel.assign(np.zeros(model.layers[0].kernel.shape, "float32"))  # mirrored: both change
     assert not np.any(model.layers[0].kernel.value.values[1].numpy())
+
+
+def _container_of(component):
+    """DistributedVariable records itself on a composite component's handle, else on the component."""
+    container = getattr(component.handle, "_distributed_container", None) or component._distributed_container
+    return container()
+
+
+def _distributed_variable_facts(distributed, strategy):
+    """What TensorFlow's creator stack decides about a distributed variable, names relative to component 0's."""
+    base = distributed.values[0].name.split(":")[0]
+    components = [(type(c).__name__, c.name.replace(base, "<v>"), c.device, c.dtype, c.shape.as_list(),
+                   c.trainable, c.synchronization, c.aggregation, c._initializer_op,
+                   _container_of(c) is distributed) for c in distributed.values]
+    return (type(distributed).__name__, distributed.aggregation, distributed.synchronization, distributed.trainable,
+            distributed._distribute_strategy is strategy, distributed._common_name == base,
+            distributed._packed_var, getattr(distributed, "_policy", None), components)
+
+
+def test_direct_mirroring_makes_what_tensorflows_creator_stack_makes(monkeypatch):
+    """Under a plain MirroredStrategy the variables are wrapped without TensorFlow's creator stack, relying on
+    MirroredExtended (exact type), its _devices and _use_var_policy, distribute_utils.VARIABLE_CLASS_MAPPING
+    and eager no_op returning None: a TensorFlow that changes any of them makes a difference here. Trainable,
+    batch-norm (aggregation mean) and metric (on-read, sum) variables."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy_binding._DirectMirroring.for_strategy(strategy) is not None
+    assert strategy_binding._DirectMirroring.for_strategy(tf.distribute.OneDeviceStrategy("/cpu:0")) is None
+
+    def moved_facts():
+        model, metric = _model(), keras.metrics.Mean()
+        variables = list(model.variables) + list(metric.variables)
+        before = [v.numpy().copy() for v in variables]
+        strategy_binding._move_variables(variables, strategy)
+        for value, variable in zip(before, variables):
+            for component in variable.value.values:
+                np.testing.assert_array_equal(component.numpy(), value)
+        return [_distributed_variable_facts(v.value, strategy) for v in variables]
+
+    direct = moved_facts()
+    monkeypatch.setattr(strategy_binding._DirectMirroring, "for_strategy", classmethod(lambda cls, s: None))
+    through_tensorflow = moved_facts()
+    assert {facts[0] for facts in direct} == {"MirroredVariable", "SyncOnReadVariable"}
+    assert direct == through_tensorflow
+
+
+def test_direct_mirroring_leaves_a_variable_off_replica_0s_device_to_tensorflow():
+    """Replica 0 on another device than the variable: no reuse, TensorFlow's path makes both components."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:1", "/cpu:0"])
+    model = _model()
+    olds = [(v.value, v.numpy().copy()) for v in model.variables]
+    internals.move_to_strategy(model, strategy)
+    for variable, (old, value) in zip(model.variables, olds):
+        first, second = variable.value.values
+        assert "CPU:1" in first.device and "CPU:0" in second.device and first is not old and second is not old
+        np.testing.assert_array_equal(first.numpy(), value)
+        np.testing.assert_array_equal(second.numpy(), value)
 
 
 def test_flatten_metrics_in_order_matches_evaluate():

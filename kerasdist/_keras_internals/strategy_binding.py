@@ -52,15 +52,79 @@ def _move_variables(variables, strategy):
     silently keeps the old, non-distributed one. Where the strategy puts its first
     component on the old variable's device, the old variable becomes that component
     (:func:`_reusing_first_components`): half the variables to create, no copy.
+    Under a plain MirroredStrategy :class:`_DirectMirroring` makes the same MirroredVariable
+    without TensorFlow's variable-creator stack.
     """
-    with _reusing_first_components() as reuse, strategy.scope():
+    from tensorflow.python.eager import context, record
+
+    direct = _DirectMirroring.for_strategy(strategy)
+    with (_reusing_first_components() as reuse, strategy.scope(),
+          context.device_policy(context.DEVICE_PLACEMENT_SILENT), record.stop_recording()):
         for variable in variables:
             if getattr(variable, "_value", None) is None:
                 continue  # not created yet: it will be created under the scope
             current = variable._value
             if _belongs_to(current, strategy):
                 continue
-            variable._initialize(reuse.offer(current))
+            if direct is None or not direct.move(variable, current):
+                variable._initialize(reuse.offer(current))
+
+
+class _DirectMirroring:
+    """The distributed variable ``tf.Variable`` would make under a plain MirroredStrategy's scope for a
+    variable built outside any scope, with the old variable as replica 0's component, made without the
+    creator stack's per-variable Python: what ``distribute_utils.create_mirrored_variable`` does in eager
+    mode (the wrapper class its ``VARIABLE_CLASS_MAPPING`` gives for the synchronization, with the
+    aggregation), less the two ``no_op`` it runs per variable to set each component's
+    ``_initializer_op``, which stays None in eager mode either way."""
+
+    _SYNCHRONIZATIONS = ("AUTO", "ON_WRITE", "ON_READ")  # what create_mirrored_variable accepts
+
+    def __init__(self, strategy, devices):
+        self.strategy, self.devices = strategy, devices
+
+    @classmethod
+    def for_strategy(cls, strategy):
+        """None unless ``strategy`` is exactly a MirroredStrategy (a subclass such as the multi-worker one
+        creates its variables otherwise) without variable policies, and eager. Variable creators the
+        caller has in force are no reason: on TensorFlow's path too the strategy's creator, entered
+        last, hands each component to :func:`_reusing_first_components`'s, which never calls them."""
+        import tensorflow as tf
+        from tensorflow.python.distribute import mirrored_strategy
+
+        if (type(strategy.extended) is not mirrored_strategy.MirroredExtended
+                or getattr(strategy.extended, "_use_var_policy", False) or not tf.executing_eagerly()):
+            return None
+        return cls(strategy, tuple(strategy.extended._devices))
+
+    def move(self, variable, old):
+        """Give ``variable`` its distributed variable; False (nothing done) where TensorFlow's path must do
+        it: ``old`` distributed, elsewhere than replica 0's device, unlike the variable in trainable or dtype,
+        or with a synchronization TensorFlow refuses (its error then comes from its own path)."""
+        import tensorflow as tf
+        from tensorflow.python.distribute import distribute_utils
+
+        if (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
+                or variable.trainable != old.trainable or tf.as_dtype(variable.dtype) != old.dtype
+                or old.synchronization.name not in self._SYNCHRONIZATIONS):
+            return False
+        synchronization = old.synchronization
+        if synchronization == tf.VariableSynchronization.AUTO:  # as TensorFlow resolves it for every component
+            synchronization = tf.VariableSynchronization.ON_WRITE
+        name = old.name.split(":")[0]
+        kwargs = {"trainable": old.trainable, "synchronization": synchronization, "aggregation": old.aggregation}
+        components = [old] + [_copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
+                              for i, device in enumerate(self.devices[1:], start=1)]
+        wrapper = distribute_utils.VARIABLE_CLASS_MAPPING[synchronization]
+        variable._initialize(wrapper(self.strategy, components, old.aggregation))
+        return True
+
+
+def _copy_on(device, variable, kwargs):
+    from tensorflow.python.framework import ops
+
+    with ops.device(device):
+        return _copy_on_this_device(variable, kwargs)
 
 
 class _FirstComponentReuse:
