@@ -10,6 +10,8 @@ process, 1 intra-op + 1 inter-op thread). Kinds, run interleaved (the order alte
 - ``alone``: 1 process, plain Keras ``fit`` on the per-worker batch;
 - ``ceiling``: 2 independent plain processes (no cluster, no communication), timed together;
 - ``mw``: 2 workers, ``distribute="multiworker"`` (MultiWorkerMirroredStrategy, gradients over the TCP ring);
+- ``mwtfcount``: ``mw`` with the per-step row count (uneven batches: the batch dimension is dynamic) summed by
+  a TensorFlow collective, as before kerasdist sent it over the TCP ring;
 - ``mwstatic``: ``mw`` on batches of a static size (``drop_remainder=True``): kerasdist then knows every batch
   splits evenly and skips its per-step row-count all-reduce (a TensorFlow collective, for uneven batches);
 - ``mwnoop``: ``mw`` whose ring calls return at once (wrong training; what the multi-worker step costs);
@@ -39,7 +41,7 @@ from _common import barrier, cpu_description, free_ports, median, run_processes 
 from timeline_multiworker import cpu_by_thread_name, thread_cpu  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-KINDS = ("alone", "ceiling", "mw", "mwstatic", "mwnoop", "free", "free1")
+KINDS = ("alone", "ceiling", "mw", "mwtfcount", "mwstatic", "mwnoop", "free", "free1")
 
 
 # -- inside a worker -----------------------------------------------------------------------------
@@ -140,10 +142,12 @@ def worker(args):
     import keras
     import tensorflow as tf
 
-    if kind == "mwnoop":
-        from kerasdist_plugins.multiworker import ring as tcp_ring
+    from kerasdist_plugins.multiworker import ring as tcp_ring
 
+    if kind == "mwnoop":
         tcp_ring.TcpRing._ring_all_reduce = lambda self, flat: None
+    if kind == "mwtfcount":
+        tcp_ring.TcpRing.sum_count = None  # the plugin then leaves the row count to TensorFlow's all-reduce
     ring = connect_ring() if kind.startswith("free") else None
     rank = int(os.environ.get("BENCH_RANK", "0"))
     workers = 2 if kind.startswith(("mw", "free")) else 1

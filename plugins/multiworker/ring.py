@@ -139,6 +139,12 @@ class TcpRing:
                 sums[index] = tf.cast(result, tensors[index].dtype) if dtype != tensors[index].dtype else result
         return sums
 
+    def sum_count(self, count):
+        """A scalar tensor (a replica's row count) summed over all ranks, from inside a ``tf.function``."""
+        import tensorflow as tf
+
+        return self.sum_tensors([tf.reshape(count, [1])])[0][0]
+
     def _ring_all_reduce(self, flat):
         chunks = np.array_split(flat, self.size)
         incoming = np.empty_like(chunks[0])
