@@ -1,8 +1,12 @@
 """Interleaved A/B of compile(distribute="mirrored")'s extra time on ResNet50: how variables were moved before
 issue 22 (two new tf.Variables per variable), "reuse only" (the old variable as replica 0's component, replica 1
-through TensorFlow's creator) and the current code (reuse, and replica 1 as UninitializedVariable + assign).
+through TensorFlow's creator), "reuse+copy" (reuse, and replica 1 as UninitializedVariable + assign, both through
+TensorFlow's variable-creator stack), "no read-back" (reuse+copy, the assign returning nothing), "via TF wrap"
+(no creator stack under a plain MirroredStrategy: components made directly, wrapped by TensorFlow's
+create_mirrored_variable), "direct wrap" (the same, wrapped directly: no eager no_op per component) and the
+current code (direct wrap, the copy's read and assign as bare tf.raw_ops).
 
-    KERASDIST_CPU_REPLICAS=2 .venv/bin/python bench/ab_mirrored_compile.py [--rounds 9]
+    KERASDIST_CPU_REPLICAS=2 .venv/bin/python bench/ab_mirrored_compile.py [--rounds 9] [--variants a,b]
 
 Each round compiles a fresh ResNet50 (64x64x3, 10 classes) plain and with each variant, the order alternating;
 prints the medians of each variant minus the plain compile, with the load average.
@@ -23,8 +27,6 @@ from tensorflow.python.ops import resource_variable_ops  # noqa: E402
 import kerasdist  # noqa: E402
 from kerasdist._keras_internals import strategy_binding  # noqa: E402
 
-CURRENT_MOVE, CURRENT_COPY = strategy_binding._move_variables, strategy_binding._copy_on_this_device
-
 
 def move_before_issue_22(variables, strategy):
     with strategy.scope():
@@ -43,34 +45,99 @@ def copy_through_tensorflow(variable, kwargs):
     return resource_variable_ops.ResourceVariable(**{k: v for k, v in kwargs.items() if k in wanted})
 
 
-VARIANTS = {"plain": (CURRENT_MOVE, CURRENT_COPY), "before": (move_before_issue_22, CURRENT_COPY),
-            "reuse only": (CURRENT_MOVE, copy_through_tensorflow), "current": (CURRENT_MOVE, CURRENT_COPY)}
+def copy_read_back(variable, kwargs):
+    """Replica 1's component as "reuse+copy" made it: the assign also built an unread-variable object."""
+    copy = resource_variable_ops.UninitializedVariable(
+        shape=variable.shape, dtype=variable.dtype, name=kwargs["name"], trainable=kwargs.get("trainable", True),
+        synchronization=kwargs.get("synchronization"), aggregation=kwargs.get("aggregation"))
+    copy.assign(variable.value())
+    return copy
+
+
+def copy_assign(variable, kwargs):
+    """Replica 1's component as "no read-back" made it: the read and the assign through the variables' methods."""
+    copy = resource_variable_ops.UninitializedVariable(
+        shape=variable.shape, dtype=variable.dtype, name=kwargs["name"], trainable=kwargs.get("trainable", True),
+        synchronization=kwargs.get("synchronization"), aggregation=kwargs.get("aggregation"))
+    copy.assign(variable.value(), read_value=False)
+    return copy
+
+
+def no_direct_mirroring(strategy):
+    return None
+
+
+def move_through_create_mirrored_variable(self, variable, old):
+    """The wrapper made by TensorFlow's ``create_mirrored_variable`` (two eager ``no_op`` per variable more)."""
+    from tensorflow.python.distribute import distribute_utils
+
+    if (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
+            or variable.trainable != old.trainable or tf.as_dtype(variable.dtype) != old.dtype):
+        return False
+    name = old.name.split(":")[0]
+
+    def components(**kwargs):
+        return [old] + [strategy_binding._copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
+                        for i, device in enumerate(self.devices[1:], start=1)]
+
+    variable._initialize(distribute_utils.create_mirrored_variable(
+        self.strategy, components, distribute_utils.VARIABLE_CLASS_MAPPING,
+        distribute_utils.VARIABLE_POLICY_MAPPING, initial_value=None, name=name, trainable=old.trainable,
+        dtype=old.dtype, synchronization=old.synchronization, aggregation=old.aggregation))
+    return True
+
+
+CURRENT = {name: getattr(strategy_binding, name) for name in ("_move_variables", "_copy_on_this_device")}
+CURRENT["direct_for_strategy"] = strategy_binding._DirectMirroring.for_strategy
+CURRENT["direct_move"] = strategy_binding._DirectMirroring.move
+CREATOR_STACK = {"direct_for_strategy": no_direct_mirroring}
+VARIANTS = {"plain": {}, "before": {"_move_variables": move_before_issue_22},
+            "reuse only": dict(CREATOR_STACK, _copy_on_this_device=copy_through_tensorflow),
+            "reuse+copy": dict(CREATOR_STACK, _copy_on_this_device=copy_read_back),
+            "no read-back": dict(CREATOR_STACK, _copy_on_this_device=copy_assign),
+            "via TF wrap": {"direct_move": move_through_create_mirrored_variable, "_copy_on_this_device": copy_assign},
+            "direct wrap": {"_copy_on_this_device": copy_assign},
+            "current": {}}
+
+
+def _use(variant):
+    """Put ``variant``'s replacements (the current code for the rest) into strategy_binding."""
+    chosen = dict(CURRENT, **variant)
+    strategy_binding._DirectMirroring.for_strategy = staticmethod(chosen.pop("direct_for_strategy"))
+    strategy_binding._DirectMirroring.move = chosen.pop("direct_move")
+    for name, value in chosen.items():
+        setattr(strategy_binding, name, value)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--variants", default=",".join(list(VARIANTS)[1:]),
+                        help="comma-separated, among: " + ", ".join(list(VARIANTS)[1:]))
     args = parser.parse_args()
+    variants = ["plain"] + [name for name in args.variants.split(",") if name != "plain"]
     kerasdist.mirrored()  # plugins loaded: measure compile, not start-up
-    times = {name: [] for name in VARIANTS}
+    times = {name: [] for name in variants}
     load_start = os.getloadavg()[0]
     try:
         for round_number in range(args.rounds):
-            order = list(VARIANTS) if round_number % 2 == 0 else list(VARIANTS)[::-1]
+            order = variants if round_number % 2 == 0 else variants[::-1]
             for name in order:
                 model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
-                strategy_binding._move_variables, strategy_binding._copy_on_this_device = VARIANTS[name]
+                _use(VARIANTS[name])
                 start = time.perf_counter()
                 model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
                               distribute=None if name == "plain" else "mirrored")
                 times[name].append(time.perf_counter() - start)
+                moved = isinstance(model.variables[0].value, tf.distribute.DistributedValues)
+                assert moved == (name != "plain"), f"{name}: the variables were not moved as this variant should"
     finally:
-        strategy_binding._move_variables, strategy_binding._copy_on_this_device = CURRENT_MOVE, CURRENT_COPY
+        _use({})
     plain = statistics.median(times["plain"])
     print(f"{args.rounds} interleaved rounds, load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} "
           f"at end; plain compile {plain:.3f} s; extra time of compile(distribute='mirrored'):")
-    for name in list(VARIANTS)[1:]:
-        print(f"  {name:<11} {statistics.median(times[name]) - plain:.3f} s")
+    for name in variants[1:]:
+        print(f"  {name:<12} {statistics.median(times[name]) - plain:.3f} s")
 
 
 if __name__ == "__main__":
