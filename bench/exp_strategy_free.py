@@ -12,6 +12,8 @@ process, 1 intra-op + 1 inter-op thread). Kinds, run interleaved (the order alte
 - ``mw``: 2 workers, ``distribute="multiworker"`` (MultiWorkerMirroredStrategy, gradients over the TCP ring);
 - ``mwtfcount``: ``mw`` with the per-step row count (uneven batches: the batch dimension is dynamic) summed by
   a TensorFlow collective, as before kerasdist sent it over the TCP ring;
+- ``mwlocallogs``: ``mw`` whose per-step logs are not averaged over the workers (each keeps its own: what the
+  second ring message per step costs; the chief's logs are then its shard's);
 - ``mwstatic``: ``mw`` on batches of a static size (``drop_remainder=True``): kerasdist then knows every batch
   splits evenly and skips its per-step row-count all-reduce (a TensorFlow collective, for uneven batches);
 - ``mwnoop``: ``mw`` whose ring calls return at once (wrong training; what the multi-worker step costs);
@@ -41,7 +43,7 @@ from _common import barrier, cpu_description, free_ports, median, run_processes 
 from timeline_multiworker import cpu_by_thread_name, thread_cpu  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-KINDS = ("alone", "ceiling", "mw", "mwtfcount", "mwstatic", "mwnoop", "free", "free1")
+KINDS = ("alone", "ceiling", "mw", "mwtfcount", "mwlocallogs", "mwstatic", "mwnoop", "free", "free1")
 
 
 # -- inside a worker -----------------------------------------------------------------------------
@@ -146,6 +148,11 @@ def worker(args):
 
     if kind == "mwnoop":
         tcp_ring.TcpRing._ring_all_reduce = lambda self, flat: None
+    if kind == "mwlocallogs":  # scalar lists are the logs (gradients and row counts are not all scalars)
+        ring_sum_tensors = tcp_ring.TcpRing.sum_tensors
+        tcp_ring.TcpRing.sum_tensors = lambda self, tensors: (
+            [t * self.size for t in tensors] if all(t.shape.rank == 0 for t in tensors)
+            else ring_sum_tensors(self, tensors))
     if kind == "mwtfcount":
         tcp_ring.TcpRing.sum_count = None  # the plugin then leaves the row count to TensorFlow's all-reduce
     ring = connect_ring() if kind.startswith("free") else None
