@@ -60,14 +60,13 @@ def _move_variables(variables, strategy):
     direct = _DirectMirroring.for_strategy(strategy)
     with (_reusing_first_components() as reuse, strategy.scope(),
           context.device_policy(context.DEVICE_PLACEMENT_SILENT), record.stop_recording()):
-        for variable in variables:
-            if getattr(variable, "_value", None) is None:
-                continue  # not created yet: it will be created under the scope
-            current = variable._value
-            if _belongs_to(current, strategy):
-                continue
-            if direct is None or not direct.move(variable, current):
-                variable._initialize(reuse.offer(current))
+        belongs = _belonging_to(strategy)
+        # a variable not created yet will be created under the scope
+        moving = [v for v in variables if getattr(v, "_value", None) is not None and not belongs(v._value)]
+        if direct is not None:
+            moving = direct.move_all(moving)
+        for variable in moving:
+            variable._initialize(reuse.offer(variable._value))
 
 
 class _DirectMirroring:
@@ -97,34 +96,42 @@ class _DirectMirroring:
             return None
         return cls(strategy, tuple(strategy.extended._devices))
 
-    def move(self, variable, old):
-        """Give ``variable`` its distributed variable; False (nothing done) where TensorFlow's path must do
-        it: ``old`` distributed, elsewhere than replica 0's device, unlike the variable in trainable or dtype,
-        or with a synchronization TensorFlow refuses (its error then comes from its own path)."""
+    def move_all(self, variables):
+        """Give each variable its distributed variable, each replica's copies made under one device scope;
+        returns those left to TensorFlow's path (see :meth:`_movable`), untouched."""
         import tensorflow as tf
         from tensorflow.python.distribute import distribute_utils
+        from tensorflow.python.framework import ops
 
-        if (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
-                or variable.trainable != old.trainable or tf.as_dtype(variable.dtype) != old.dtype
-                or old.synchronization.name not in self._SYNCHRONIZATIONS):
-            return False
-        synchronization = old.synchronization
-        if synchronization == tf.VariableSynchronization.AUTO:  # as TensorFlow resolves it for every component
-            synchronization = tf.VariableSynchronization.ON_WRITE
-        name = old.name.split(":")[0]
-        kwargs = {"trainable": old.trainable, "synchronization": synchronization, "aggregation": old.aggregation}
-        components = [old] + [_copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
-                              for i, device in enumerate(self.devices[1:], start=1)]
-        wrapper = distribute_utils.VARIABLE_CLASS_MAPPING[synchronization]
-        variable._initialize(wrapper(self.strategy, components, old.aggregation))
-        return True
+        movable, left = [], []
+        for variable in variables:
+            (movable if self._movable(variable, variable._value) else left).append(variable)
+        olds = [variable._value for variable in movable]
+        synchronizations = [tf.VariableSynchronization.ON_WRITE  # as TensorFlow resolves AUTO for every component
+                            if old.synchronization == tf.VariableSynchronization.AUTO else old.synchronization
+                            for old in olds]
+        names = [old.name.split(":")[0] for old in olds]
+        components = [[old] for old in olds]
+        for i, device in enumerate(self.devices[1:], start=1):
+            with ops.device(device):
+                for old, synchronization, name, values in zip(olds, synchronizations, names, components):
+                    values.append(_copy_on_this_device(old, {
+                        "name": f"{name}/replica_{i}/", "trainable": old.trainable,
+                        "synchronization": synchronization, "aggregation": old.aggregation}))
+        for variable, old, synchronization, values in zip(movable, olds, synchronizations, components):
+            wrapper = distribute_utils.VARIABLE_CLASS_MAPPING[synchronization]
+            variable._initialize(wrapper(self.strategy, values, old.aggregation))
+        return left
 
+    def _movable(self, variable, old):
+        """False where TensorFlow's path must do it: ``old`` distributed, elsewhere than replica 0's device,
+        unlike the variable in trainable or dtype, or with a synchronization TensorFlow refuses (its error
+        then comes from its own path)."""
+        import tensorflow as tf
 
-def _copy_on(device, variable, kwargs):
-    from tensorflow.python.framework import ops
-
-    with ops.device(device):
-        return _copy_on_this_device(variable, kwargs)
+        return not (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
+                    or variable.trainable != old.trainable or tf.as_dtype(variable.dtype) != old.dtype
+                    or old.synchronization.name not in self._SYNCHRONIZATIONS)
 
 
 class _FirstComponentReuse:
@@ -191,15 +198,18 @@ def _copy_on_this_device(variable, kwargs):
     return copy
 
 
-def _belongs_to(tf_variable, strategy):
-    """True when the backing variable already lives under ``strategy`` (a plain
-    tf.Variable lives under the default strategy)."""
+def _belonging_to(strategy):
+    """A test: does a backing variable already live under ``strategy`` (a plain tf.Variable lives under
+    the default strategy)? What it says of plain variables is worked out once."""
     import tensorflow as tf
 
-    distribute = getattr(tf_variable, "_distribute_strategy", None)
-    if distribute is not None:
-        return distribute is strategy
-    return strategy is None or (strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy())
+    plain_ones_do = strategy is None or (strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy())
+
+    def belongs(tf_variable):
+        distribute = getattr(tf_variable, "_distribute_strategy", None)
+        return plain_ones_do if distribute is None else distribute is strategy
+
+    return belongs
 
 
 def move_to_strategy(model, strategy, optimizer=None):
