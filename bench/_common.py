@@ -1,6 +1,7 @@
 """Pieces the multi-process benchmarks share: free loopback ports, a start barrier for independent
 processes, running a group of processes with a timeout (no orphans), the CPU description and medians."""
 
+import json
 import os
 import shutil
 import socket
@@ -117,3 +118,17 @@ def step_clock(warmup, times):
             times.append(time.perf_counter())
 
     return StepClock()
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def print_result(result):
+    """A worker's result line (a JSON object), read back by :func:`results`."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def results(outputs):
+    """The result objects printed by :func:`print_result` in the workers' outputs."""
+    return [json.loads(line.split(RESULT_PREFIX, 1)[1]) for out in outputs for line in out.splitlines()
+            if RESULT_PREFIX in line]

@@ -22,14 +22,13 @@ as fast or faster) and the ceiling / kerasdist ratio, with the CPU and the load 
 """
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (cpu_description, free_ports, interleaved_rounds, print_summary,  # noqa: E402
-                     run_processes, step_clock)
+from _common import (cpu_description, free_ports, interleaved_rounds, print_result,  # noqa: E402
+                     print_summary, results, run_processes, step_clock)
 
 HERE = os.path.abspath(__file__)
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
@@ -121,7 +120,7 @@ def worker_guide(args):
 def report(times, global_batch, rank):
     if rank == 0 or os.environ.get("BENCH_BARRIER_DIR"):
         step = (times[-1] - times[0]) / (len(times) - 1)
-        print("RESULT " + json.dumps({"step_s": step, "examples_per_s": global_batch / step}), flush=True)
+        print_result({"step_s": step, "examples_per_s": global_batch / step})
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -148,9 +147,7 @@ def run_config(role, processes, independent, args):
                "--batch", str(args.batch), "--guide-loader", args.guide_loader]
     outputs = run_processes([command] * processes, environments, args.timeout, f"{role} x{processes}",
                             independent=independent)
-    results = [json.loads(line.split("RESULT ", 1)[1]) for out in outputs for line in out.splitlines()
-               if "RESULT " in line]
-    return max(results, key=lambda r: r["step_s"])
+    return max(results(outputs), key=lambda r: r["step_s"])
 
 
 CONFIGS = [  # (name, role, processes, independent)
