@@ -3,7 +3,10 @@
 Keras 3 binds a model to the tf.distribute strategy that is current when the model object is constructed
 (``Trainer._distribute_strategy``) and an optimizer to the strategy current in its ``__init__``
 (``TFOptimizer._distribution_strategy``). kerasdist moves objects built elsewhere under a strategy, which
-needs those private attributes and ``Variable._initialize``.
+needs those private attributes and ``Variable._initialize``; under a plain MirroredStrategy it also makes the
+distributed variables itself, from TensorFlow's ``MirroredExtended._devices`` and
+``distribute_utils.VARIABLE_CLASS_MAPPING`` (checked against TensorFlow's own path in
+tests/test_keras_internals.py).
 """
 
 import contextlib
