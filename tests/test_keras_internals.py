@@ -635,7 +635,8 @@ def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     code = """
 import inspect, numpy as np, torch, keras
 from keras.src.backend.torch import trainer
-from kerasdist._keras_internals.torch import keras_wraps_ddp, metrics_updated_after_apply, synchronize_torch_batch_norm
+from kerasdist._keras_internals.torch import (keras_wraps_ddp, metrics_updated_after_apply,
+                                              synchronize_torch_batch_norm)
 step = inspect.getsource(trainer.TorchTrainer.train_step)
 assert "self.optimizer.scale_loss(loss)" in step and "self.optimizer.apply(gradients, trainable_weights)" in step
 order = [step.index(piece) for piece in ("self._loss_tracker.update_state(", "self.optimizer.apply(",
