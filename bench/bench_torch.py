@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (cpu_description, free_ports, interleaved_rounds, print_result,  # noqa: E402
-                     print_summary, results, run_processes, step_clock)
+                     print_summary, results, run_processes, stacks_on_signal, step_clock)
 
 HERE = os.path.abspath(__file__)
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
@@ -37,6 +37,7 @@ FEATURES, HIDDEN, CLASSES = 512, 1024, 10
 # -- inside a worker process ------------------------------------------------------------
 
 def limit_threads():
+    stacks_on_signal()
     import torch
 
     torch.set_num_threads(1)
