@@ -27,10 +27,13 @@ def free_port():
 
 
 def child_env(**extra):
-    """The environment for a child Python process: no inherited cluster or replica settings."""
+    """The environment for a child Python process: no inherited cluster or replica settings, and
+    multiworker's ``auto`` keeps the TCP ring unmeasured (no timing probe, so a test's transport does not
+    depend on the machine's load) unless ``extra`` sets KERASDIST_TRANSPORT_PROBE."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KERASDIST_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_")) and k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["KERASDIST_TRANSPORT_PROBE"] = "off"
     env.update({k: str(v) for k, v in extra.items() if v is not None})
     return env
 

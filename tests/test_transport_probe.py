@@ -50,7 +50,7 @@ def test_auto_probes_both_transports_and_every_worker_uses_rank_0s_choice(tmp_pa
     """The probe really runs on both workers, and rank 0's choice and figures are everyone's: the
     workers' own measurements are rigged to disagree (rank 0: TensorFlow's collectives, rank 1: the
     ring), so a worker acting on its own would hang or train differently."""
-    output, found = launch(tmp_path, PROBE_TEST_FAVOUR="tensorflow,tcp")
+    output, found = launch(tmp_path, PROBE_TEST_FAVOUR="tensorflow,tcp", KERASDIST_TRANSPORT_PROBE="on")
     assert set(found) == {(w, r) for w in ("PROBE", "TRANSPORT") for r in (0, 1)}, output[-3000:]
     probes = [json.loads(found["PROBE", r]) for r in (0, 1)]
     print(f"probe: {probes}")
