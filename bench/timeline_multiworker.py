@@ -205,6 +205,7 @@ def run(kind, args):
         if workers > 1:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": index}})
+            env["KERASDIST_COMMUNICATION"] = "tcp"  # the TCP ring, timed: auto's probe might pick TensorFlow's
         environments.append(env)
     outputs = run_processes([command] * workers, environments, args.timeout, f"timeline {kind}")
     return results(outputs)

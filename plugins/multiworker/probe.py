@@ -6,8 +6,8 @@ gradients (its trainable parameters, float32, at most MAX_PARAMETERS = 8M elemen
 scalar (the per-step log sum), through the ring and through TensorFlow's collective all-reduce (the one
 the strategy uses for Keras's gradients). Rank 0's medians decide, and every worker receives that
 decision over the ring, so workers can never choose differently (and hang). A jit-compiled model keeps
-TensorFlow's all-reduce for its gradients anyway: no probe, the ring kept for the logs. The ring wins on the machines measured so far
-(docs/benchmarks.md); on a CPU where it does not, ``auto`` takes TensorFlow's collectives.
+TensorFlow's all-reduce for its gradients anyway: no probe, the ring kept for the logs. The ring wins on
+the machines measured so far (docs/benchmarks.md); on a CPU where it does not, ``auto`` takes TensorFlow's collectives.
 """
 
 import dataclasses
