@@ -241,6 +241,22 @@ def test_direct_mirroring_makes_what_tensorflows_creator_stack_makes(monkeypatch
     assert direct == through_tensorflow
 
 
+def test_direct_mirroring_leaves_a_strategy_with_its_own_create_variable_to_tensorflow(monkeypatch):
+    """central.assign_state_from_first_replica replaces ``extended._create_variable`` to give non-trainable
+    variables ONLY_FIRST_REPLICA: the moved batch-norm statistics get it as on TensorFlow's path."""
+    from kerasdist._keras_internals import central
+
+    monkeypatch.setattr(central, "install_summed_metric_updates", lambda: None)  # the patch is not under test
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    central.assign_state_from_first_replica(strategy)
+    assert strategy_binding._DirectMirroring.for_strategy(strategy) is None
+    model = _model()
+    internals.move_to_strategy(model, strategy)
+    moving_mean = model.layers[1].moving_mean.value
+    assert moving_mean.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
+    assert model.layers[0].kernel.value.aggregation == tf.VariableAggregation.NONE
+
+
 def test_direct_mirroring_leaves_a_variable_off_replica_0s_device_to_tensorflow():
     """Replica 0 on another device than the variable: no reuse, TensorFlow's path makes both components."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:1", "/cpu:0"])

@@ -88,13 +88,16 @@ class _DirectMirroring:
     @classmethod
     def for_strategy(cls, strategy):
         """None unless ``strategy`` is exactly a MirroredStrategy (a subclass such as the multi-worker one
-        creates its variables otherwise) without variable policies, and eager. Variable creators the
+        creates its variables otherwise) without variable policies and without a ``_create_variable`` of
+        its own on ``extended`` (central.assign_state_from_first_replica changes aggregations there), and
+        eager. Variable creators the
         caller has in force are no reason: on TensorFlow's path too the strategy's creator, entered
         last, hands each component to :func:`_reusing_first_components`'s, which never calls them."""
         import tensorflow as tf
         from tensorflow.python.distribute import mirrored_strategy
 
         if (type(strategy.extended) is not mirrored_strategy.MirroredExtended
+                or "_create_variable" in vars(strategy.extended)
                 or getattr(strategy.extended, "_use_var_policy", False) or not tf.executing_eagerly()):
             return None
         return cls(strategy, tuple(strategy.extended._devices))
