@@ -257,6 +257,21 @@ def test_direct_mirroring_leaves_a_strategy_with_its_own_create_variable_to_tens
     assert model.layers[0].kernel.value.aggregation == tf.VariableAggregation.NONE
 
 
+def test_moved_variables_take_aggregation_and_synchronization_from_the_keras_variable(mirroring_path):
+    """A Keras variable whose tf.Variable disagrees with it (built from a tf.Variable): moved, it has the
+    Keras variable's aggregation and synchronization, on both paths."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    mean = keras.Variable(initializer=tf.Variable(0.0), aggregation="mean")
+    on_read = keras.Variable(initializer=tf.Variable(0.0), synchronization="on_read", aggregation="sum")
+    assert mean.value.aggregation == tf.VariableAggregation.NONE  # what Keras kept: the case under test
+    strategy_binding._move_variables([mean, on_read], strategy)
+    assert type(mean.value).__name__ == "MirroredVariable"
+    assert mean.value.aggregation == tf.VariableAggregation.MEAN
+    assert type(on_read.value).__name__ == "SyncOnReadVariable"
+    assert on_read.value.aggregation == tf.VariableAggregation.SUM
+    assert on_read.value.synchronization == tf.VariableSynchronization.ON_READ
+
+
 def test_direct_mirroring_leaves_a_variable_off_replica_0s_device_to_tensorflow():
     """Replica 0 on another device than the variable: no reuse, TensorFlow's path makes both components."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:1", "/cpu:0"])

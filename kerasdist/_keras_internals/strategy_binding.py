@@ -69,7 +69,7 @@ def _move_variables(variables, strategy):
         if direct is not None:
             moving = direct.move_all(moving)
         for variable in moving:
-            variable._initialize(reuse.offer(variable._value))
+            variable._initialize(reuse.offer(variable._value, _agrees_with(variable, variable._value)))
 
 
 class _DirectMirroring:
@@ -131,13 +131,25 @@ class _DirectMirroring:
 
     def _movable(self, variable, old):
         """False where TensorFlow's path must do it: ``old`` distributed, elsewhere than replica 0's device,
-        unlike the variable in trainable or dtype, or with a synchronization TensorFlow refuses (its error
-        then comes from its own path)."""
+        unlike the variable in trainable, dtype, aggregation or synchronization (TensorFlow's path takes
+        those from the Keras variable, through ``Variable._map_aggregation``/``_map_synchronization``, the
+        direct one from ``old``), or with a synchronization TensorFlow refuses (its error then comes from
+        its own path)."""
         import tensorflow as tf
 
         return not (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
-                    or variable.trainable != old.trainable or tf.as_dtype(variable.dtype) != old.dtype
-                    or old.synchronization.name not in self._SYNCHRONIZATIONS)
+                    or not _agrees_with(variable, old) or old.synchronization.name not in self._SYNCHRONIZATIONS)
+
+
+def _agrees_with(variable, old):
+    """Does the tf.Variable ``old`` have what TensorFlow's path gives the Keras ``variable``'s new one:
+    trainable, dtype, and aggregation and synchronization as ``Variable._initialize`` maps them
+    (``_map_aggregation``/``_map_synchronization``)? Only then may it serve as a component."""
+    import tensorflow as tf
+
+    return (variable.trainable == old.trainable and tf.as_dtype(variable.dtype) == old.dtype
+            and old.aggregation == variable._map_aggregation(variable.aggregation)
+            and old.synchronization == variable._map_synchronization(variable.synchronization))
 
 
 class _FirstComponentReuse:
@@ -146,12 +158,12 @@ class _FirstComponentReuse:
     def __init__(self):
         self.initial_value = self.variable = self.copying = None
 
-    def offer(self, variable):
+    def offer(self, variable, reusable=True):
         """The initial value to give ``tf.Variable`` for ``variable``'s replacement: it reads ``variable``
-        only when called, which a component that reuses ``variable`` never does."""
+        only when called, which a component that reuses ``variable`` (only if ``reusable``) never does."""
         import tensorflow as tf
 
-        self.variable, self.copying = variable, None
+        self.variable, self.copying = (variable if reusable else None), None
         self.initial_value = lambda: tf.convert_to_tensor(variable.read_value())  # what moving read before
         return self.initial_value
 
@@ -170,7 +182,7 @@ def _reusing_first_components():
 
     def creator(next_creator, **kwargs):
         old, offered = reuse.variable, reuse.initial_value
-        if (offered is not None and kwargs.get("initial_value") is offered
+        if (offered is not None and old is not None and kwargs.get("initial_value") is offered
                 and not isinstance(old, tf.distribute.DistributedValues)
                 and old.device == context.context().device_name
                 and kwargs.get("trainable", old.trainable) == old.trainable
