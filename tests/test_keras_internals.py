@@ -272,6 +272,23 @@ def test_moved_variables_take_aggregation_and_synchronization_from_the_keras_var
     assert on_read.value.synchronization == tf.VariableSynchronization.ON_READ
 
 
+def test_a_move_that_fails_leaves_every_variable_as_it_was(mirroring_path):
+    """TensorFlow refuses an int variable with aggregation mean: the error comes out, and no variable,
+    before or after that one, is left moved."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    refused = keras.Variable(initializer=tf.Variable(3), dtype="int32", aggregation="mean")
+    variables = [keras.Variable(1.0), refused, keras.Variable(initializer=tf.Variable(2.0), aggregation="mean")]
+    olds = [v.value for v in variables]
+    with pytest.raises(ValueError, match="non-floating dtype"):
+        strategy_binding._move_variables(variables, strategy)
+    assert all(v.value is old for v, old in zip(variables, olds))
+    assert [v.numpy() for v in variables] == [1.0, 3, 2.0]
+    assert not any(hasattr(old, "_distributed_container") for old in olds)
+    strategy_binding._move_variables(variables[::2], strategy)  # the others still move
+    assert variables[0].value.values[0] is olds[0]
+    assert [type(v.value).__name__ for v in variables[::2]] == ["MirroredVariable"] * 2
+
+
 def test_direct_mirroring_leaves_a_variable_off_replica_0s_device_to_tensorflow():
     """Replica 0 on another device than the variable: no reuse, TensorFlow's path makes both components."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:1", "/cpu:0"])

@@ -66,10 +66,26 @@ def _move_variables(variables, strategy):
         belongs = _belonging_to(strategy)
         # a variable not created yet will be created under the scope
         moving = [v for v in variables if getattr(v, "_value", None) is not None and not belongs(v._value)]
-        if direct is not None:
-            moving = direct.move_all(moving)
-        for variable in moving:
-            variable._initialize(reuse.offer(variable._value, _agrees_with(variable, variable._value)))
+        with _all_or_none_moved(moving):
+            if direct is not None:
+                moving = direct.move_all(moving)
+            for variable in moving:
+                variable._initialize(reuse.offer(variable._value, _agrees_with(variable, variable._value)))
+
+
+@contextlib.contextmanager
+def _all_or_none_moved(variables):
+    """On any error, give every variable back its old tf.Variable (no longer a component of a distributed
+    one) before the error goes on: a half-moved model would train wrongly."""
+    olds = [(variable, variable._value, "_distributed_container" in vars(variable._value)) for variable in variables]
+    try:
+        yield
+    except BaseException:
+        for variable, old, had_container in olds:
+            variable._value = old
+            if not had_container:
+                vars(old).pop("_distributed_container", None)
+        raise
 
 
 class _DirectMirroring:
@@ -124,9 +140,10 @@ class _DirectMirroring:
                     values.append(_copy_on_this_device(old, {
                         "name": f"{name}/replica_{i}/", "trainable": old.trainable,
                         "synchronization": synchronization, "aggregation": old.aggregation}))
-        for variable, old, synchronization, values in zip(movable, olds, synchronizations, components):
-            wrapper = distribute_utils.VARIABLE_CLASS_MAPPING[synchronization]
-            variable._initialize(wrapper(self.strategy, values, old.aggregation))
+        wrappers = [distribute_utils.VARIABLE_CLASS_MAPPING[synchronization](self.strategy, values, old.aggregation)
+                    for old, synchronization, values in zip(olds, synchronizations, components)]
+        for variable, wrapper in zip(movable, wrappers):  # all built first: an error leaves none moved
+            variable._initialize(wrapper)
         return left
 
     def _movable(self, variable, old):
