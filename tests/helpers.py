@@ -38,6 +38,21 @@ def child_env(**extra):
     return env
 
 
+def weights(directory, task):
+    """The weights worker ``task`` saved as ``weights-<task>.npz`` in ``directory`` (tests/workers/mw_train.py)."""
+    import numpy as np
+
+    with np.load(os.path.join(directory, f"weights-{task}.npz")) as data:
+        return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def max_diff(a, b):
+    """The largest absolute difference between two lists of arrays."""
+    import numpy as np
+
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
 def run(cmd, timeout, env=None, cwd=ROOT, check=True):
     """Run ``cmd`` in its own process group; kill the whole group on timeout. Returns CompletedProcess."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=env or child_env(), stdout=subprocess.PIPE,

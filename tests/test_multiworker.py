@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import ROOT, child_env, finish, free_port, kill_group, python, run, start
+from tests.helpers import ROOT, child_env, finish, free_port, kill_group, max_diff, python, run, start, weights
 
 pytestmark = [pytest.mark.slow]
 
@@ -28,15 +28,6 @@ EXAMPLE_ARGS = ["--epochs", "2", "--examples", "256", "--batch-size", "64"]
 def tf_config(ports, index):
     return json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                        "task": {"type": "worker", "index": index}})
-
-
-def weights(directory, task):
-    with np.load(os.path.join(directory, f"weights-{task}.npz")) as data:
-        return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 def left_behind(marker):

@@ -9,21 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, child_env, python, run
+from tests.helpers import ROOT, child_env, max_diff, python, run, weights
 
 KERASDIST = os.path.join(os.path.dirname(sys.executable), "kerasdist")
 WORKER = os.path.join(ROOT, "tests", "workers", "mw_probe.py")
 COMMON = ["--dataset", "--epochs", "2", "--examples", "96", "--batch", "16"]
 PARAMETERS = 6 * 5 + 5 + 5 * 2 + 2  # mw_train.py's model
-
-
-def weights(directory, task):
-    with np.load(os.path.join(directory, f"weights-{task}.npz")) as data:
-        return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
-
-
-def max_diff(a, b):
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 def launch(out, **env):
