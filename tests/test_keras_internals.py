@@ -289,6 +289,20 @@ def test_a_move_that_fails_leaves_every_variable_as_it_was(mirroring_path):
     assert [type(v.value).__name__ for v in variables[::2]] == ["MirroredVariable"] * 2
 
 
+def test_direct_mirroring_only_for_an_eager_plain_mirrored_strategy_without_variable_policies(monkeypatch):
+    """The single-worker MultiWorkerMirroredStrategy (a MirroredStrategy subclass), a graph, and variable
+    policies (MirroredExtended._use_var_policy, read as is: a TensorFlow that renames it fails here) all
+    go through TensorFlow's path."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy_binding._DirectMirroring.for_strategy(strategy) is not None
+    assert strategy_binding._DirectMirroring.for_strategy(tf.distribute.MultiWorkerMirroredStrategy()) is None
+    in_graph = []
+    tf.function(lambda: in_graph.append(strategy_binding._DirectMirroring.for_strategy(strategy)) or 0)()
+    assert in_graph == [None]
+    monkeypatch.setattr(strategy.extended, "_use_var_policy", True)
+    assert strategy_binding._DirectMirroring.for_strategy(strategy) is None
+
+
 def test_direct_mirroring_leaves_a_variable_off_replica_0s_device_to_tensorflow():
     """Replica 0 on another device than the variable: no reuse, TensorFlow's path makes both components."""
     strategy = tf.distribute.MirroredStrategy(["/cpu:1", "/cpu:0"])
@@ -683,8 +697,9 @@ def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     code = """
 import inspect, numpy as np, torch, keras
 from keras.src.backend.torch import trainer
-from kerasdist._keras_internals.torch import (keras_wraps_ddp, metrics_updated_after_apply,
+from kerasdist._keras_internals.torch import (compiled_metrics, keras_step_order_is_known, keras_wraps_ddp,
                                               synchronize_torch_batch_norm)
+from keras.src.trainers.trainer import Trainer
 step = inspect.getsource(trainer.TorchTrainer.train_step)
 assert "self.optimizer.scale_loss(loss)" in step and "self.optimizer.apply(gradients, trainable_weights)" in step
 order = [step.index(piece) for piece in ("self._loss_tracker.update_state(", "self.optimizer.apply(",
@@ -692,11 +707,17 @@ order = [step.index(piece) for piece in ("self._loss_tracker.update_state(", "se
 assert order == sorted(order), order  # loss tracker before apply, compiled metrics after
 compiled = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
 compiled.compile(loss="mse", metrics=["mae"])
-assert metrics_updated_after_apply(compiled) == [compiled._compile_metrics]
+assert keras_step_order_is_known(compiled) and compiled_metrics(compiled) == [compiled._compile_metrics]
+plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+plain.compile(loss="mse")
+assert compiled_metrics(plain) == []
+metrics_step = inspect.getsource(Trainer.compute_metrics).split(chr(34) * 3)[-1]  # its code: updates only these
+assert "self._compile_metrics.update_state(" in metrics_step and "return self.get_metrics_result()" in metrics_step
+assert metrics_step.count("update_state(") == 1, metrics_step
 class OwnStep(keras.Sequential):
     def train_step(self, data):
         return super().train_step(data)
-assert metrics_updated_after_apply(OwnStep([keras.Input((3,)), keras.layers.Dense(1)])) is None
+assert not keras_step_order_is_known(OwnStep([keras.Input((3,)), keras.layers.Dense(1)]))
 assert not keras_wraps_ddp()
 model = keras.Sequential([keras.Input((5, 3)), keras.layers.BatchNormalization()])
 layer = model.layers[0]
