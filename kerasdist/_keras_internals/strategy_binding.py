@@ -114,7 +114,7 @@ class _DirectMirroring:
 
         if (type(strategy.extended) is not mirrored_strategy.MirroredExtended
                 or "_create_variable" in vars(strategy.extended)
-                or getattr(strategy.extended, "_use_var_policy", False) or not tf.executing_eagerly()):
+                or strategy.extended._use_var_policy or not tf.executing_eagerly()):
             return None
         return cls(strategy, tuple(strategy.extended._devices))
 
