@@ -224,7 +224,7 @@ def test_direct_mirroring_makes_what_tensorflows_creator_stack_makes(monkeypatch
     assert strategy_binding._DirectMirroring.for_strategy(strategy) is not None
     assert strategy_binding._DirectMirroring.for_strategy(tf.distribute.OneDeviceStrategy("/cpu:0")) is None
 
-    def moved_facts():
+    def moved():
         model, metric = _model(), keras.metrics.Mean()
         variables = list(model.variables) + list(metric.variables)
         before = [v.numpy().copy() for v in variables]
@@ -232,13 +232,27 @@ def test_direct_mirroring_makes_what_tensorflows_creator_stack_makes(monkeypatch
         for value, variable in zip(before, variables):
             for component in variable.value.values:
                 np.testing.assert_array_equal(component.numpy(), value)
-        return [_distributed_variable_facts(v.value, strategy) for v in variables]
+        return [v.value for v in variables]
 
-    direct = moved_facts()
+    left_to_tensorflow = []
+    move_all = strategy_binding._DirectMirroring.move_all
+    monkeypatch.setattr(strategy_binding._DirectMirroring, "move_all",
+                        lambda self, variables: left_to_tensorflow.extend(move_all(self, variables)) or [])
+    direct = moved()
+    assert left_to_tensorflow == []  # the direct path made every one
     monkeypatch.setattr(strategy_binding._DirectMirroring, "for_strategy", classmethod(lambda cls, s: None))
-    through_tensorflow = moved_facts()
-    assert {facts[0] for facts in direct} == {"MirroredVariable", "SyncOnReadVariable"}
-    assert direct == through_tensorflow
+    through_tensorflow = moved()
+    assert {type(d).__name__ for d in direct} == {"MirroredVariable", "SyncOnReadVariable"}
+    assert ([_distributed_variable_facts(d, strategy) for d in direct]
+            == [_distributed_variable_facts(d, strategy) for d in through_tensorflow])
+    with strategy.scope():  # pure TensorFlow: the same attributes on the wrapper and on a copy (whose
+        # container TensorFlow records on a ResourceVariable's handle, on the component itself on a copy)
+        references = {type(r).__name__: r for r in (tf.Variable(0.0), tf.Variable(
+            0.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM))}
+    for distributed in direct:
+        reference = references[type(distributed).__name__]
+        assert set(vars(distributed)) == set(vars(reference))
+        assert set(vars(distributed.values[1])) - {"_distributed_container"} == set(vars(reference.values[1]))
 
 
 def test_direct_mirroring_leaves_a_strategy_with_its_own_create_variable_to_tensorflow(monkeypatch):
