@@ -77,14 +77,18 @@ def _move_variables(variables, strategy):
 def _all_or_none_moved(variables):
     """On any error, give every variable back its old tf.Variable (no longer a component of a distributed
     one) before the error goes on: a half-moved model would train wrongly."""
-    olds = [(variable, variable._value, "_distributed_container" in vars(variable._value)) for variable in variables]
+    def holders(old):  # where DistributedVariable records its container: the handle of a ResourceVariable
+        return [h for h in (old, old.handle) if not hasattr(h, "_distributed_container")]
+
+    olds = [(variable, variable._value, holders(variable._value)) for variable in variables]
     try:
         yield
     except BaseException:
-        for variable, old, had_container in olds:
+        for variable, old, uncontained in olds:
             variable._value = old
-            if not had_container:
-                vars(old).pop("_distributed_container", None)
+            for holder in uncontained:
+                if hasattr(holder, "_distributed_container"):
+                    delattr(holder, "_distributed_container")
         raise
 
 
