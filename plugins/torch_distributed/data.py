@@ -33,9 +33,12 @@ def take_share(batch, rank, world):
     start, stop = share(rows, rank, world)
     if stop > start:
         return tuple(_map(lambda a: a[start:stop], part) for part in batch)
-    x = _map(lambda a: a[:1], batch[0])
-    y = _map(lambda a: a[:1], batch[1]) if len(batch) > 1 else None
-    return x, y, np.full((1,), PLACEHOLDER_MARK, dtype="float32")
+    return _placeholder(tuple(_map(lambda a: a[:1], part) for part in batch[:2]))
+
+
+def _placeholder(first_row):
+    """A batch of ``(x[, y])``'s first row that weighs nothing (this rank's share is empty)."""
+    return first_row[0], first_row[1] if len(first_row) > 1 else None, np.full((1,), PLACEHOLDER_MARK, "float32")
 
 
 def _map(function, value):
@@ -51,11 +54,12 @@ def _as_array(value):
 
 
 class RankShare(keras.utils.PyDataset):
-    """This rank's part of each global batch of a source read in order (``batch(i)`` = global batch i)."""
+    """This rank's part of each global batch of a source read in order: ``batches(i)`` is global batch i,
+    cut here, or (``cut=False``) already this rank's part."""
 
-    def __init__(self, batches, count, rank, world):
+    def __init__(self, batches, count, rank, world, cut=True):
         super().__init__()
-        self._batches, self._count, self.rank, self.world = batches, count, rank, world
+        self._batches, self._count, self.rank, self.world, self._cut = batches, count, rank, world, cut
 
     def __len__(self):
         return self._count
@@ -63,7 +67,8 @@ class RankShare(keras.utils.PyDataset):
     def __getitem__(self, index):
         if index >= self._count:
             raise IndexError(index)
-        return take_share(self._batches(index), self.rank, self.world)
+        batch = self._batches(index)
+        return take_share(batch, self.rank, self.world) if self._cut else batch
 
 
 def shared_seed():
@@ -91,18 +96,26 @@ class _Order:
 
 
 def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
+    """Only this rank's rows of each global batch are read: a view of the arrays when not shuffled."""
+    if sample_weight is not None and y is None:
+        raise KerasdistError("data_parallel (torch): sample_weight without y is not supported; give y.")
     size = len(first_array(x))
     order = _Order(size, shuffle)
     count = -(-size // batch_size)
+    parts = [x] + [p for p in (y, sample_weight) if p is not None]
 
-    def batch(index):
-        rows = order.at(index)[index * batch_size:(index + 1) * batch_size]
-        parts = [x] + [p for p in (y, sample_weight) if p is not None]
-        if sample_weight is not None and y is None:
-            raise KerasdistError("data_parallel (torch): sample_weight without y is not supported; give y.")
-        return tuple(keras.tree.map_structure(lambda a: np.asarray(a)[rows], p) for p in parts)
+    def my_part(index):
+        begin = index * batch_size
+        start, stop = share(min(batch_size, size - begin), rank, world)
+        if order.rng is None:  # in order: a slice (a view, no copy)
+            rows = slice(begin + start, begin + stop) if stop > start else slice(begin, begin + 1)
+        else:
+            rows = order.at(index)[begin:begin + batch_size]
+            rows = rows[start:stop] if stop > start else rows[:1]
+        picked = tuple(keras.tree.map_structure(lambda a: np.asarray(a)[rows], p) for p in parts)
+        return picked if stop > start else _placeholder(picked)
 
-    return RankShare(batch, count, rank, world)
+    return RankShare(my_part, count, rank, world, cut=False)
 
 
 def from_py_dataset(dataset, shuffle, rank, world):
