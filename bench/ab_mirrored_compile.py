@@ -73,17 +73,23 @@ def _copy_on(device, variable, kwargs):
         return strategy_binding._copy_on_this_device(variable, kwargs)
 
 
+def _each_movable(self, variables, left):
+    """(variable, its tf.Variable, that one's name) of each variable the direct path takes; the others go to
+    ``left``."""
+    for variable in variables:
+        old = variable._value
+        if self._movable(variable, old):
+            yield variable, old, old.name.split(":")[0]
+        else:
+            left.append(variable)
+
+
 def move_through_create_mirrored_variable(self, variables):
     """The wrapper made by TensorFlow's ``create_mirrored_variable`` (two eager ``no_op`` per variable more)."""
     from tensorflow.python.distribute import distribute_utils
 
     left = []
-    for variable in variables:
-        old = variable._value
-        if not self._movable(variable, old):
-            left.append(variable)
-            continue
-        name = old.name.split(":")[0]
+    for variable, old, name in _each_movable(self, variables, left):
 
         def components(old=old, name=name, **kwargs):
             return [old] + [_copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
@@ -101,15 +107,10 @@ def move_one_by_one(self, variables):
     from tensorflow.python.distribute import distribute_utils
 
     left = []
-    for variable in variables:
-        old = variable._value
-        if not self._movable(variable, old):
-            left.append(variable)
-            continue
+    for variable, old, name in _each_movable(self, variables, left):
         synchronization = old.synchronization
         if synchronization == tf.VariableSynchronization.AUTO:
             synchronization = tf.VariableSynchronization.ON_WRITE
-        name = old.name.split(":")[0]
         kwargs = {"trainable": old.trainable, "synchronization": synchronization, "aggregation": old.aggregation}
         components = [old] + [_copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
                               for i, device in enumerate(self.devices[1:], start=1)]
