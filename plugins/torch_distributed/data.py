@@ -54,12 +54,11 @@ def _as_array(value):
 
 
 class RankShare(keras.utils.PyDataset):
-    """This rank's part of each global batch of a source read in order: ``batches(i)`` is global batch i,
-    cut here, or (``cut=False``) already this rank's part."""
+    """This rank's part of each global batch of a source read in order: ``part(i)`` is its part of batch i."""
 
-    def __init__(self, batches, count, rank, world, cut=True):
+    def __init__(self, part, count, rank, world):
         super().__init__()
-        self._batches, self._count, self.rank, self.world, self._cut = batches, count, rank, world, cut
+        self._part, self._count, self.rank, self.world = part, count, rank, world
 
     def __len__(self):
         return self._count
@@ -67,8 +66,7 @@ class RankShare(keras.utils.PyDataset):
     def __getitem__(self, index):
         if index >= self._count:
             raise IndexError(index)
-        batch = self._batches(index)
-        return take_share(batch, self.rank, self.world) if self._cut else batch
+        return self._part(index)
 
 
 def shared_seed():
@@ -107,21 +105,21 @@ def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
     def my_part(index):
         begin = index * batch_size
         start, stop = share(min(batch_size, size - begin), rank, world)
+        keep = slice(start, stop) if stop > start else slice(0, 1)  # an empty share: a placeholder row
         if order.rng is None:  # in order: a slice (a view, no copy)
-            rows = slice(begin + start, begin + stop) if stop > start else slice(begin, begin + 1)
+            rows = slice(begin + keep.start, begin + keep.stop)
         else:
-            rows = order.at(index)[begin:begin + batch_size]
-            rows = rows[start:stop] if stop > start else rows[:1]
+            rows = order.at(index)[begin:begin + batch_size][keep]
         picked = tuple(keras.tree.map_structure(lambda a: np.asarray(a)[rows], p) for p in parts)
         return picked if stop > start else _placeholder(picked)
 
-    return RankShare(my_part, count, rank, world, cut=False)
+    return RankShare(my_part, count, rank, world)
 
 
 def from_py_dataset(dataset, shuffle, rank, world):
     count = len(dataset)
     order = _Order(count, shuffle)
-    return RankShare(lambda index: dataset[int(order.at(index)[index])], count, rank, world)
+    return RankShare(lambda index: take_share(dataset[int(order.at(index)[index])], rank, world), count, rank, world)
 
 
 def from_iterable(make_iterator, count, rank, world):
@@ -133,7 +131,7 @@ def from_iterable(make_iterator, count, rank, world):
             current["it"] = iter(make_iterator())
         return _as_tuple(next(current["it"]))
 
-    return RankShare(batch, count, rank, world)
+    return RankShare(lambda index: take_share(batch(index), rank, world), count, rank, world)
 
 
 def _as_tuple(batch):

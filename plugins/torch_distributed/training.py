@@ -21,6 +21,8 @@ A rank whose share of a batch is empty gets a placeholder row (data.py marks it 
 -0.0): it runs the same forward/backward (the same collectives) with weight 0, and its metrics are untouched.
 """
 
+import math
+
 import keras
 
 from kerasdist.plugin_tools import compiled_metrics, keras_step_order_is_known, unique_variables
@@ -164,8 +166,10 @@ def _averaged_apply(original, state):
         device = next((g.device for g in grads if g is not None), "cpu")
         # a gradient that is None (a weight the loss does not reach) is sent as zeros with a "present" flag 0:
         # every rank sends the same buffer, whichever of its gradients are None
-        parts = [g.reshape(-1).float() if g is not None else torch.zeros(_size(v), device=device)
+        likes = [g if g is not None else v.value if v is not None else torch.zeros(0, device=device)
                  for g, v in zip(grads, variables)]
+        parts = [g.reshape(-1).float() if g is not None else torch.zeros(like.numel(), device=device)
+                 for g, like in zip(grads, likes)]
         early = state.early_states or []
         flags = [float(g is not None) for g in grads] + [state.weight]
         flat = torch.cat(parts + [v.value.detach().reshape(-1).float().to(device) for v in early]
@@ -173,38 +177,35 @@ def _averaged_apply(original, state):
         dist.all_reduce(flat)
         at = sum(p.numel() for p in parts)
         if state.early_states is not None:
-            state.early_sums = _unflatten(flat[at:len(flat) - len(flags)].clone(), early)
+            state.early_sums = _unflatten(flat[at:len(flat) - len(flags)].clone(), [v.value.shape for v in early])
         present = flat[len(flat) - len(flags):-1].tolist()
         total = flat[-1] if float(flat[-1]) > 0 else torch.ones((), device=device)  # every share empty: no step
-        averaged, at = [], 0
-        for g, v, part, count in zip(grads, variables, parts, present):
-            like = g if g is not None else v.value
-            averaged.append((flat[at:at + part.numel()].reshape(like.shape) / total).to(like.dtype)
-                            if count > 0 else None)
-            at += part.numel()
+        sums = _unflatten(flat, [like.shape for like in likes])
+        averaged = [(part / total).to(like.dtype) if count > 0 else None
+                    for part, like, count in zip(sums, likes, present)]
         return original(averaged, trainable_variables)
 
     return apply
-
-
-def _size(variable):
-    return int(variable.value.numel()) if variable is not None else 0
 
 
 def _states_before_apply(model):
     """The metric states Keras's own training step has updated when it calls ``optimizer.apply``: all but
     the compiled metrics' (float32 ones: they travel in the gradients' float32 all-reduce)."""
     later = {id(v) for m in compiled_metrics(model) for v in m.variables}
-    return [v for v in unique_variables(v for m in model.metrics for v in m.variables)
-            if id(v) not in later and str(v.dtype) == "float32"]
+    return [v for v in _metric_states(model) if id(v) not in later and str(v.dtype) == "float32"]
 
 
-def _unflatten(flat, variables):
-    """``flat`` cut into tensors of the variables' shapes, in order."""
+def _metric_states(model):
+    return unique_variables(v for m in model.metrics for v in m.variables)
+
+
+def _unflatten(flat, shapes):
+    """The start of ``flat`` cut into tensors of these shapes, in order."""
     parts, at = [], 0
-    for variable in variables:
-        parts.append(flat[at:at + variable.value.numel()].reshape(variable.value.shape))
-        at += variable.value.numel()
+    for shape in shapes:
+        size = math.prod(shape)
+        parts.append(flat[at:at + size].reshape(shape))
+        at += size
     return parts
 
 
@@ -220,7 +221,7 @@ def _all_reduced_metrics(model, original, state):
         summed, sums = (list(state.early_states), list(state.early_sums)) if taken else ([], [])
         state.early_sums = None  # read once: a later call (epoch end) sums every state again
         done = {id(v) for v in summed}
-        rest = [v for v in unique_variables(v for m in model.metrics for v in m.variables) if id(v) not in done]
+        rest = [v for v in _metric_states(model) if id(v) not in done]
         if not rest and not summed:
             return original()
         variables = summed + rest
@@ -228,7 +229,7 @@ def _all_reduced_metrics(model, original, state):
         if rest:
             flat = torch.cat([v.value.detach().reshape(-1).double() for v in rest])
             dist.all_reduce(flat)
-            sums += _unflatten(flat, rest)
+            sums += _unflatten(flat, [v.value.shape for v in rest])
         with torch.no_grad():
             for variable, value, total in zip(variables, local, sums):
                 variable.assign(total.to(value.dtype))
