@@ -54,7 +54,8 @@ def _as_array(value):
 
 
 class RankShare(keras.utils.PyDataset):
-    """This rank's part of each global batch of a source read in order: ``part(i)`` is its part of batch i."""
+    """This rank's part of each global batch of a source read in order: ``part(i)`` is its part of batch i.
+    Its NumPy arrays are handed to Keras as torch tensors sharing their memory (:func:`_shared_tensor`)."""
 
     def __init__(self, part, count, rank, world):
         super().__init__()
@@ -66,7 +67,23 @@ class RankShare(keras.utils.PyDataset):
     def __getitem__(self, index):
         if index >= self._count:
             raise IndexError(index)
-        return self._part(index)
+        return keras.tree.map_structure(_shared_tensor, self._part(index))
+
+
+# the NumPy dtypes torch.from_numpy takes as they are (Keras's own conversion changes uint32 and bfloat16)
+_SHARED_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int8", "int16", "int32",
+                                                  "int64", "uint8", "bool", "complex64", "complex128"))
+
+
+def _shared_tensor(value):
+    """A writable NumPy array as a torch tensor on its memory: Keras's own conversion (``np.array`` then
+    ``torch.as_tensor``) would copy every batch, 4 MB a step in bench/bench_torch.py; anything else as it is."""
+    if isinstance(value, np.ndarray) and value.dtype in _SHARED_DTYPES and value.flags.writeable \
+            and all(s >= 0 for s in value.strides):
+        import torch
+
+        return torch.from_numpy(value)
+    return value
 
 
 def shared_seed():
