@@ -177,12 +177,12 @@ def _averaged_apply(original, state):
         dist.all_reduce(flat)
         at = sum(p.numel() for p in parts)
         if state.early_states is not None:
-            state.early_sums = _unflatten(flat[at:len(flat) - len(flags)].clone(), [v.value.shape for v in early])
+            state.early_sums = _unflatten(flat[at:len(flat) - len(flags)], [v.value.shape for v in early])
         present = flat[len(flat) - len(flags):-1].tolist()
         total = flat[-1] if float(flat[-1]) > 0 else torch.ones((), device=device)  # every share empty: no step
-        sums = _unflatten(flat, [like.shape for like in likes])
-        averaged = [(part / total).to(like.dtype) if count > 0 else None
-                    for part, like, count in zip(sums, likes, present)]
+        flat[:at].div_(total)  # in place, one pass: the averaged gradients are views of the buffer
+        averaged = [part.to(like.dtype) if count > 0 else None
+                    for part, like, count in zip(_unflatten(flat, [like.shape for like in likes]), likes, present)]
         return original(averaged, trainable_variables)
 
     return apply
