@@ -14,7 +14,8 @@ import kerasdist
 from kerasdist import ClusterConfigError
 from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups
 
-from .gradients import gradient_transport, use_ring
+from . import strategy_free
+from .gradients import agree_on_ring, gradient_transport, use_ring
 from .join import TooLate, check_port_free, join_cluster, state
 from .options import (BACKUP_DIR_VAR, BYTES_PER_PACK_VAR, COLLECTIVE_TIMEOUT_VAR, COMMUNICATION_VAR,
                       DEFAULT_JOIN_TIMEOUT, JOIN_TIMEOUT_VAR, SCRATCH_DIR_VAR, CollectiveOptions, MultiWorker,
@@ -128,13 +129,30 @@ def kerasdist_create_strategy(spec, cluster):
         state.strategy = join_cluster(cluster, state.options,
                                       number_from_env(os.environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT))
     check_options_match(spec, state.options)
+    if strategy_free.wanted(os.environ) and _free_ring() is not None:
+        import tensorflow as tf
+
+        return tf.distribute.get_strategy()  # plain Keras in each worker; the ring carries the rest
     return state.strategy
+
+
+def _free_ring():
+    """The TCP ring for strategy-free training, agreed at compile (no probe), or None (GPUs, settings)."""
+    if state.ring is None:
+        state.ring = agree_on_ring(state.strategy, state.cluster, state.options) or False
+    return state.ring or None
+
+
+def _strategy_free(strategy):
+    return state.strategy is not None and strategy is not state.strategy and bool(state.ring)
 
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
-    if isinstance(spec, MultiWorker):
+    if isinstance(spec, MultiWorker) and _strategy_free(strategy):
+        strategy_free.check_compile(compile_kwargs, spec)
+    elif isinstance(spec, MultiWorker):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
@@ -143,7 +161,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 # -- fit / evaluate / predict --------------------------------------------------------
 
 @kerasdist.hookimpl
-def kerasdist_prepare_dataset(dataset, spec):
+def kerasdist_prepare_dataset(dataset, method, spec):
+    if isinstance(spec, MultiWorker) and is_dataset(dataset) and method != "predict" \
+            and strategy_free.wanted(os.environ) and state.ring:
+        return strategy_free.split_dataset(dataset, state.ring)
     if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None
     import tensorflow as tf
@@ -162,6 +183,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         return
     from . import backup, workers
 
+    if _strategy_free(strategy):
+        return _adjust_strategy_free_call(method, call_kwargs, model, spec)
     if method in ("fit", "evaluate"):
         use_ring(model, strategy, method)
     chief = bool(strategy.extended.should_checkpoint)
@@ -181,4 +204,25 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0
         if method == "fit":  # the paths are given back at the end of training
+            workers.redirect_writes(call_kwargs, private_backups.scratch_dir())
+
+
+def _adjust_strategy_free_call(method, call_kwargs, model, spec):
+    from . import backup, workers
+
+    ring, chief = state.ring, bool(state.strategy.extended.should_checkpoint)
+    if method in ("fit", "evaluate"):
+        strategy_free.install(model, ring)
+        index = private_backups.count_fit() if method == "fit" else None
+        strategy_free.split_call_data(call_kwargs, ring.rank, ring.size, method,
+                                      spec.shuffle_seed + index if method == "fit" else None)
+        if method == "fit":
+            if spec.backup:
+                backup.add_backup(call_kwargs, spec, model, state.strategy, index, chief,
+                                  private_backups.scratch_dir())
+            call_kwargs["callbacks"].append(strategy_free.BroadcastFromRankZero(ring))
+    if not chief:
+        if call_kwargs.get("verbose", "auto") != 0:
+            call_kwargs["verbose"] = 0
+        if method == "fit":
             workers.redirect_writes(call_kwargs, private_backups.scratch_dir())

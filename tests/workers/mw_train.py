@@ -88,6 +88,7 @@ def main():
     if not cluster.is_local:
         from kerasdist_plugins.multiworker import gradient_transport
         print(f"TRANSPORT {gradient_transport()}", flush=True)
+        print(f"REPLICAS {model.distribute_strategy.num_replicas_in_sync}", flush=True)  # 1: strategy-free
     if chief:
         print("FINAL " + json.dumps({k: v[-1] for k, v in history.history.items()}
                                     | {"epochs_run": len(history.epoch)}), flush=True)

@@ -1,0 +1,85 @@
+"""distribute="multiworker" with KERASDIST_STRATEGY_FREE=on (issue 22): plain Keras in each worker under the default
+strategy, gradients x rows, rows and loss over the TCP ring in one message per step. Real worker processes on
+127.0.0.1 (kerasdist launch, timeouts); the broadcast of rank 0's state over a real two-rank ring in threads."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from tests.helpers import child_env, python, run
+from tests.test_multiworker import KERASDIST, WORKER, _initial, max_diff, weights
+
+
+def _final_logs(output):
+    return json.loads(next(line for line in output.splitlines() if "FINAL " in line).split("FINAL ", 1)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("data", [["--dataset", "--examples", "96", "--batch", "16"],
+                                  ["--examples", "100", "--batch", "15"]], ids=["dataset", "uneven-arrays"])
+def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path, data):
+    common = [WORKER, *data, "--epochs", "2"]
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", *common, "--out", str(tmp_path / "mw")],
+                 timeout=200, env=child_env(KERASDIST_STRATEGY_FREE="on",
+                                            KERASDIST_BACKUP_DIR=str(tmp_path / "backup")))
+    single = run(python(*common, "--distribute", "none", "--out", str(tmp_path / "single")), timeout=120)
+    w0, w1, one = weights(tmp_path / "mw", 0), weights(tmp_path / "mw", 1), weights(tmp_path / "single", 0)
+    logs, single_logs = _final_logs(result.stdout), _final_logs(single.stdout)
+    print(f"max |w0 - w1| = {max_diff(w0, w1):.3g}; max |w0 - single| = {max_diff(w0, one):.3g}; "
+          f"logs {logs} vs single {single_logs}")
+    assert "[0] TRANSPORT tcp" in result.stdout and "[1] TRANSPORT tcp" in result.stdout
+    assert "[0] REPLICAS 1" in result.stdout and "[1] REPLICAS 1" in result.stdout  # the default strategy
+    assert max_diff(w0, w1) == 0.0 and max_diff(w0, one) <= 1e-5
+    assert max_diff(w0, _initial()) > 1e-3  # training moved the weights: the comparison can fail
+    for key in ("loss", "mae"):  # the loss in the gradients' message, mae's state summed: the global batch's
+        assert abs(logs[key] - single_logs[key]) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_rank_zeros_weights_and_optimizer_state_reach_every_rank():
+    import keras
+
+    from kerasdist_plugins.multiworker import ring as tcp_ring
+    from kerasdist_plugins.multiworker.strategy_free import broadcast_state
+
+    listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [address for _, address in listeners]
+    rings = [None, None]
+
+    def connect(rank):
+        rings[rank] = tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, timeout=30, secret=b"t")
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    models = []
+    for seed in (1, 2):  # different initial weights and optimizer state on each rank
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+        model.fit(np.random.rand(8, 3), np.random.rand(8, 2), epochs=seed, verbose=0)
+        models.append(model)
+    expected = [v.numpy() for v in models[0].weights + models[0].optimizer.variables]
+    assert max_diff(expected, [v.numpy() for v in models[1].weights + models[1].optimizer.variables]) > 1e-3
+    try:
+        threads = [threading.Thread(target=broadcast_state, args=(models[r], rings[r])) for r in range(2)]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+    finally:
+        [ring.close() for ring in rings if ring is not None]
+    for model in models:
+        got = [v.numpy() for v in model.weights + model.optimizer.variables]
+        assert max_diff(expected, got) == 0.0
+    assert int(models[1].optimizer.iterations.numpy()) == int(models[0].optimizer.iterations.numpy())
+
+
+def test_a_bad_strategy_free_setting_names_the_valid_ones():
+    import kerasdist
+    from kerasdist_plugins.multiworker.strategy_free import wanted
+
+    assert wanted({}) is False and wanted({"KERASDIST_STRATEGY_FREE": "ON"}) is True
+    with pytest.raises(kerasdist.KerasdistError, match=r"KERASDIST_STRATEGY_FREE='yes' is not valid; choose on"):
+        wanted({"KERASDIST_STRATEGY_FREE": "yes"})
