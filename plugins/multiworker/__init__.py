@@ -129,7 +129,7 @@ def kerasdist_create_strategy(spec, cluster):
         state.strategy = join_cluster(cluster, state.options,
                                       number_from_env(os.environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT))
     check_options_match(spec, state.options)
-    if strategy_free.wanted(os.environ) and _free_ring() is not None:
+    if strategy_free.wanted(os.environ) and strategy_free.supports(spec) and _free_ring() is not None:
         import tensorflow as tf
 
         return tf.distribute.get_strategy()  # plain Keras in each worker; the ring carries the rest
@@ -151,7 +151,7 @@ def _strategy_free(strategy):
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
     if isinstance(spec, MultiWorker) and _strategy_free(strategy):
-        strategy_free.check_compile(compile_kwargs, spec)
+        strategy_free.check_compile(compile_kwargs)
     elif isinstance(spec, MultiWorker):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
@@ -162,8 +162,8 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_prepare_dataset(dataset, method, spec):
-    if isinstance(spec, MultiWorker) and is_dataset(dataset) and method != "predict" \
-            and strategy_free.wanted(os.environ) and state.ring:
+    if isinstance(spec, MultiWorker) and is_dataset(dataset) and method != "predict" and state.ring \
+            and strategy_free.wanted(os.environ) and strategy_free.supports(spec):
         return strategy_free.split_dataset(dataset, state.ring)
     if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None

@@ -38,18 +38,18 @@ class _Exchange:
         self.ring, self.rows, self.loss = ring, None, None
 
 
-def check_compile(compile_kwargs, spec):
+def supports(spec):
+    """Whether ``spec`` can train strategy-free; the rest keeps MultiWorkerMirroredStrategy (sync_batch_norm's
+    per-layer all-reduce, tf.data's file/off sharding of the global batch)."""
+    return not spec.sync_batch_norm and spec.shard_policy.lower() in ("auto", "data")
+
+
+def check_compile(compile_kwargs):
     if compile_kwargs.get("jit_compile") is True:
         raise KerasdistError("multiworker with KERASDIST_STRATEGY_FREE=on: jit_compile=True cannot call the TCP "
                              "ring from an XLA-compiled step; pass jit_compile=False or 'auto', or set "
                              "KERASDIST_STRATEGY_FREE=off.")
     compile_kwargs["jit_compile"] = False
-    if spec.sync_batch_norm:
-        raise KerasdistError("multiworker with KERASDIST_STRATEGY_FREE=on: sync_batch_norm=True is not supported "
-                             "yet; set KERASDIST_STRATEGY_FREE=off.")
-    if spec.shard_policy.lower() in ("file", "off"):
-        raise KerasdistError(f"multiworker with KERASDIST_STRATEGY_FREE=on: shard_policy={spec.shard_policy!r} is "
-                             "not supported yet (auto and data split every batch); set KERASDIST_STRATEGY_FREE=off.")
 
 
 def install(model, ring):
