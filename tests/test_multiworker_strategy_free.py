@@ -32,6 +32,7 @@ def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path,
           f"logs {logs} vs single {single_logs}")
     assert "[0] TRANSPORT tcp" in result.stdout and "[1] TRANSPORT tcp" in result.stdout
     assert "[0] REPLICAS 1" in result.stdout and "[1] REPLICAS 1" in result.stdout  # the default strategy
+    assert NOTICE in result.stdout and "[1] kerasdist: multiworker trains strategy-free" not in result.stdout
     assert max_diff(w0, w1) == 0.0 and max_diff(w0, one) <= 1e-5
     assert max_diff(w0, _initial()) > 1e-3  # training moved the weights: the comparison can fail
     for key in ("loss", "mae"):  # the loss in the gradients' message, mae's state summed: the global batch's
@@ -83,3 +84,36 @@ def test_a_bad_strategy_free_setting_names_the_valid_ones():
     assert wanted({}) is False and wanted({"KERASDIST_STRATEGY_FREE": "ON"}) is True
     with pytest.raises(kerasdist.KerasdistError, match=r"KERASDIST_STRATEGY_FREE='yes' is not valid; choose on"):
         wanted({"KERASDIST_STRATEGY_FREE": "yes"})
+
+
+NOTICE = "[0] kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("column", ["mixed_float16", "accumulation_2", "small_last_batch"])
+def test_strategy_free_equivalence_cells_equal_plain_keras(column, tmp_path):
+    """test_equivalence's multiworker cells, strategy-free: mixed_float16 (the loss scale checks the summed
+    gradients), Keras's gradient accumulation, a small last batch split unevenly."""
+    from tests import test_equivalence as eq
+
+    out = str(tmp_path / f"free-{column}.npz")
+    cmd, _ = eq.command("multiworker", out, eq.COLUMNS[column][0])
+    result = run(cmd, timeout=240, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, KERASDIST_STRATEGY_FREE="on"), check=False)
+    assert NOTICE in result.stdout, result.stdout[-3000:]
+    steps, theirs = eq.saved_result("multiworker", column, out, result)
+    reference_steps, reference = eq.train(None, column, str(tmp_path))
+    difference, tol = eq.max_difference(reference, theirs), eq.tolerance(column, reference)
+    print(f"strategy-free {column}: steps {steps} (plain {reference_steps}), max |dw| {difference:.3g} (tol {tol:.3g})")
+    assert steps == reference_steps and difference <= tol
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_loss_scale_overflow_on_one_worker_is_skipped_by_every_worker_strategy_free(tmp_path):
+    from tests import test_equivalence as eq
+
+    result = eq.overflow_run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", "--communication", "tcp",
+                              eq.OVERFLOW, "multiworker", str(tmp_path)], tmp_path, KERASDIST_STRATEGY_FREE="on",
+                             OVERFLOW_SHARD_POLICY="auto")  # off keeps the strategy
+    assert NOTICE in result.stdout, result.stdout[-3000:]

@@ -9,6 +9,7 @@ Only the chief writes progress, checkpoints and TensorBoard events, and
 """
 
 import os
+import sys
 
 import kerasdist
 from kerasdist import ClusterConfigError
@@ -132,6 +133,10 @@ def kerasdist_create_strategy(spec, cluster):
     if strategy_free.wanted(os.environ) and strategy_free.supports(spec) and _free_ring() is not None:
         import tensorflow as tf
 
+        if state.strategy.extended.should_checkpoint and not state.said_strategy_free:
+            state.said_strategy_free = True
+            print("kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on): plain Keras in each "
+                  "worker, gradients over the TCP ring", file=sys.stderr, flush=True)
         return tf.distribute.get_strategy()  # plain Keras in each worker; the ring carries the rest
     return state.strategy
 
