@@ -1,8 +1,10 @@
 """Pieces the multi-process benchmarks share: free loopback ports, a start barrier for independent
 processes, running a group of processes with a timeout (no orphans), the CPU description and medians."""
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -41,7 +43,14 @@ def run_processes(commands, environments, timeout, what, independent=False):
                 env = dict(env, BENCH_BARRIER_DIR=barrier_dir, BENCH_BARRIER_N=str(len(commands)))
             procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True, start_new_session=True))
-        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
+        deadline = time.monotonic() + timeout
+        outputs = [proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))[0] for proc in procs]
+    except subprocess.TimeoutExpired:
+        outputs = _outputs_after_timeout(procs)
+        raise SystemExit(f"{what}: still running after {timeout:.0f} s, killed. Each process's exit status "
+                         "(None: killed) and last output (Python stacks of a hung one: faulthandler, SIGUSR1):\n"
+                         + "\n".join(f"--- process {i} ({code}):\n{out[-2000:]}"
+                                     for i, (code, out) in enumerate(outputs)))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -53,6 +62,29 @@ def run_processes(commands, environments, timeout, what, independent=False):
         if proc.returncode != 0:
             raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{out[-3000:]}")
     return outputs
+
+
+def _outputs_after_timeout(procs):
+    """(exit status before the kill, output) of each process; a running one is asked for its Python stacks
+    (SIGUSR1: see :func:`stacks_on_signal`) and then killed."""
+    codes = [proc.poll() for proc in procs]
+    for proc, code in zip(procs, codes):
+        if code is None:
+            os.killpg(proc.pid, signal.SIGUSR1)
+    time.sleep(2)
+    outputs = []
+    for proc, code in zip(procs, codes):
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        outputs.append((code, proc.communicate()[0] or ""))
+    return outputs
+
+
+def stacks_on_signal():
+    """In a worker: print every thread's Python stack on SIGUSR1 (the driver's timeout asks for it)."""
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def cpu_description():
@@ -117,3 +149,17 @@ def step_clock(warmup, times):
             times.append(time.perf_counter())
 
     return StepClock()
+
+
+RESULT_PREFIX = "RESULT "
+
+
+def print_result(result):
+    """A worker's result line (a JSON object), read back by :func:`results`."""
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+def results(outputs):
+    """The result objects printed by :func:`print_result` in the workers' outputs."""
+    return [json.loads(line.split(RESULT_PREFIX, 1)[1]) for out in outputs for line in out.splitlines()
+            if RESULT_PREFIX in line]

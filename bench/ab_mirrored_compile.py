@@ -3,8 +3,9 @@ issue 22 (two new tf.Variables per variable), "reuse only" (the old variable as 
 through TensorFlow's creator), "reuse+copy" (reuse, and replica 1 as UninitializedVariable + assign, both through
 TensorFlow's variable-creator stack), "no read-back" (reuse+copy, the assign returning nothing), "via TF wrap"
 (no creator stack under a plain MirroredStrategy: components made directly, wrapped by TensorFlow's
-create_mirrored_variable), "direct wrap" (the same, wrapped directly: no eager no_op per component) and the
-current code (direct wrap, the copy's read and assign as bare tf.raw_ops).
+create_mirrored_variable), "direct wrap" (the same, wrapped directly: no eager no_op per component), "raw ops"
+(direct wrap, the copy's read and assign as bare tf.raw_ops) and the current code (raw ops, all copies for one
+device made under one device scope, then all wrapped).
 
     KERASDIST_CPU_REPLICAS=2 .venv/bin/python bench/ab_mirrored_compile.py [--rounds 9] [--variants a,b]
 
@@ -34,7 +35,7 @@ def move_before_issue_22(variables, strategy):
             if getattr(variable, "_value", None) is None:
                 continue
             current = variable._value
-            if strategy_binding._belongs_to(current, strategy):
+            if strategy_binding._belonging_to(strategy)(current):
                 continue
             variable._initialize(tf.convert_to_tensor(current.read_value()))
 
@@ -67,36 +68,69 @@ def no_direct_mirroring(strategy):
     return None
 
 
-def move_through_create_mirrored_variable(self, variable, old):
+def _copy_on(device, variable, kwargs):
+    with tf.device(device):
+        return strategy_binding._copy_on_this_device(variable, kwargs)
+
+
+def _each_movable(self, variables, left):
+    """(variable, its tf.Variable, that one's name) of each variable the direct path takes; the others go to
+    ``left``."""
+    for variable in variables:
+        old = variable._value
+        if self._movable(variable, old):
+            yield variable, old, old.name.split(":")[0]
+        else:
+            left.append(variable)
+
+
+def move_through_create_mirrored_variable(self, variables):
     """The wrapper made by TensorFlow's ``create_mirrored_variable`` (two eager ``no_op`` per variable more)."""
     from tensorflow.python.distribute import distribute_utils
 
-    if (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
-            or variable.trainable != old.trainable or tf.as_dtype(variable.dtype) != old.dtype):
-        return False
-    name = old.name.split(":")[0]
+    left = []
+    for variable, old, name in _each_movable(self, variables, left):
 
-    def components(**kwargs):
-        return [old] + [strategy_binding._copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
-                        for i, device in enumerate(self.devices[1:], start=1)]
+        def components(old=old, name=name, **kwargs):
+            return [old] + [_copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
+                            for i, device in enumerate(self.devices[1:], start=1)]
 
-    variable._initialize(distribute_utils.create_mirrored_variable(
-        self.strategy, components, distribute_utils.VARIABLE_CLASS_MAPPING,
-        distribute_utils.VARIABLE_POLICY_MAPPING, initial_value=None, name=name, trainable=old.trainable,
-        dtype=old.dtype, synchronization=old.synchronization, aggregation=old.aggregation))
-    return True
+        variable._initialize(distribute_utils.create_mirrored_variable(
+            self.strategy, components, distribute_utils.VARIABLE_CLASS_MAPPING,
+            distribute_utils.VARIABLE_POLICY_MAPPING, initial_value=None, name=name, trainable=old.trainable,
+            dtype=old.dtype, synchronization=old.synchronization, aggregation=old.aggregation))
+    return left
+
+
+def move_one_by_one(self, variables):
+    """Each variable's copies made and wrapped before the next one's, each under its own device scope."""
+    from tensorflow.python.distribute import distribute_utils
+
+    left = []
+    for variable, old, name in _each_movable(self, variables, left):
+        synchronization = old.synchronization
+        if synchronization == tf.VariableSynchronization.AUTO:
+            synchronization = tf.VariableSynchronization.ON_WRITE
+        kwargs = {"trainable": old.trainable, "synchronization": synchronization, "aggregation": old.aggregation}
+        components = [old] + [_copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
+                              for i, device in enumerate(self.devices[1:], start=1)]
+        wrapper = distribute_utils.VARIABLE_CLASS_MAPPING[synchronization]
+        variable._initialize(wrapper(self.strategy, components, old.aggregation))
+    return left
 
 
 CURRENT = {name: getattr(strategy_binding, name) for name in ("_move_variables", "_copy_on_this_device")}
 CURRENT["direct_for_strategy"] = strategy_binding._DirectMirroring.for_strategy
-CURRENT["direct_move"] = strategy_binding._DirectMirroring.move
+CURRENT["direct_move_all"] = strategy_binding._DirectMirroring.move_all
 CREATOR_STACK = {"direct_for_strategy": no_direct_mirroring}
 VARIANTS = {"plain": {}, "before": {"_move_variables": move_before_issue_22},
             "reuse only": dict(CREATOR_STACK, _copy_on_this_device=copy_through_tensorflow),
             "reuse+copy": dict(CREATOR_STACK, _copy_on_this_device=copy_read_back),
             "no read-back": dict(CREATOR_STACK, _copy_on_this_device=copy_assign),
-            "via TF wrap": {"direct_move": move_through_create_mirrored_variable, "_copy_on_this_device": copy_assign},
-            "direct wrap": {"_copy_on_this_device": copy_assign},
+            "via TF wrap": {"direct_move_all": move_through_create_mirrored_variable,
+                            "_copy_on_this_device": copy_assign},
+            "direct wrap": {"direct_move_all": move_one_by_one, "_copy_on_this_device": copy_assign},
+            "raw ops": {"direct_move_all": move_one_by_one},
             "current": {}}
 
 
@@ -104,7 +138,7 @@ def _use(variant):
     """Put ``variant``'s replacements (the current code for the rest) into strategy_binding."""
     chosen = dict(CURRENT, **variant)
     strategy_binding._DirectMirroring.for_strategy = staticmethod(chosen.pop("direct_for_strategy"))
-    strategy_binding._DirectMirroring.move = chosen.pop("direct_move")
+    strategy_binding._DirectMirroring.move_all = chosen.pop("direct_move_all")
     for name, value in chosen.items():
         setattr(strategy_binding, name, value)
 

@@ -22,8 +22,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (cpu_description, free_ports, interleaved_rounds, median, print_summary,  # noqa: E402
-                     run_processes, step_clock)
+from _common import (cpu_description, free_ports, interleaved_rounds, median, print_result,  # noqa: E402
+                     print_summary, results, run_processes, step_clock)
 
 HERE = os.path.abspath(__file__)
 PER_WORKER_BATCH = 4096  # --batch (the driver passes it to every worker)
@@ -130,8 +130,7 @@ def report(times, global_batch, cluster, chief=None, transport=None):
     chief = cluster.is_local or cluster.is_chief if chief is None else chief
     if chief or os.environ.get("BENCH_BARRIER_DIR"):
         step = (times[-1] - times[0]) / (len(times) - 1)
-        print("RESULT " + json.dumps({"step_s": step, "examples_per_s": global_batch / step} | (transport or {})),
-              flush=True)
+        print_result({"step_s": step, "examples_per_s": global_batch / step} | (transport or {}))
 
 
 # -- the driver ------------------------------------------------------------------------------
@@ -153,13 +152,12 @@ def run_config(kind, workers, env_extra, args):
                "--batch", str(args.batch)]
     outputs = run_processes([command] * workers, environments, args.timeout, f"{kind} x{workers} {env_extra}",
                             independent=independent)
-    results = [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
-               if line.startswith("RESULT ")]
-    for result in results:
+    found = results(outputs)
+    for result in found:
         if result.get("transport"):
             PROBES.append(result)
             print(f"    gradients over {describe_transport(result)}", flush=True)
-    return max(results, key=lambda r: r["step_s"])
+    return max(found, key=lambda r: r["step_s"])
 
 
 PROBES = []  # the chief's {"transport", "probe"} of every multiworker run

@@ -41,7 +41,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import barrier, cpu_description, free_ports, median, run_processes  # noqa: E402
+from _common import (barrier, cpu_description, free_ports, median, print_result, results,  # noqa: E402
+                     run_processes)
 from timeline_multiworker import cpu_by_thread_name, thread_cpu  # noqa: E402
 
 HERE = os.path.abspath(__file__)
@@ -204,7 +205,7 @@ def worker(args):
         result["python_ms"] = python_functions_per_step(path, args.steps)
     if ring is not None:
         ring.close()
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 # -- the driver ---------------------------------------------------------------------------------
@@ -230,8 +231,7 @@ def run(kind, args):
         environments.append(env)
     outputs = run_processes([command] * workers, environments, args.timeout, f"{kind}",
                             independent=kind in ("ceiling", "free", "free1"))
-    return [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
-            if line.startswith("RESULT ")]
+    return results(outputs)
 
 
 def main():

@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import cpu_description, free_ports, run_processes  # noqa: E402
+from _common import cpu_description, free_ports, print_result, results, run_processes  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 PHASES = ("fwd+bwd", "grad wait", "grad xfer", "apply", "log sum", "to python", "between")
@@ -184,7 +184,7 @@ def worker(args):
               "phases_s": {p: statistics.mean(s[p] for s in phases) for p in PHASES} if phases else {}}
     strategy = model.distribute_strategy
     result["input_only_s"] = input_time_per_step(strategy, bench.make_data(global_batch), args.steps)
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 # -- the driver -----------------------------------------------------------------------------
@@ -205,10 +205,10 @@ def run(kind, args):
         if workers > 1:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": index}})
+            env["KERASDIST_COMMUNICATION"] = "tcp"  # the TCP ring, timed: auto's probe might pick TensorFlow's
         environments.append(env)
     outputs = run_processes([command] * workers, environments, args.timeout, f"timeline {kind}")
-    return [json.loads(line[len("RESULT "):]) for out in outputs for line in out.splitlines()
-            if line.startswith("RESULT ")]
+    return results(outputs)
 
 
 def main():

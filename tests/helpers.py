@@ -27,12 +27,30 @@ def free_port():
 
 
 def child_env(**extra):
-    """The environment for a child Python process: no inherited cluster or replica settings."""
+    """The environment for a child Python process: no inherited cluster or replica settings, and
+    multiworker's ``auto`` keeps the TCP ring unmeasured (no timing probe, so a test's transport does not
+    depend on the machine's load) unless ``extra`` sets KERASDIST_TRANSPORT_PROBE."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KERASDIST_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_")) and k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["KERASDIST_TRANSPORT_PROBE"] = "off"
     env.update({k: str(v) for k, v in extra.items() if v is not None})
     return env
+
+
+def weights(directory, task):
+    """The weights worker ``task`` saved as ``weights-<task>.npz`` in ``directory`` (tests/workers/mw_train.py)."""
+    import numpy as np
+
+    with np.load(os.path.join(directory, f"weights-{task}.npz")) as data:
+        return [data[k] for k in sorted(data.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def max_diff(a, b):
+    """The largest absolute difference between two lists of arrays."""
+    import numpy as np
+
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 def run(cmd, timeout, env=None, cwd=ROOT, check=True):

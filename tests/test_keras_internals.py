@@ -224,7 +224,7 @@ def test_direct_mirroring_makes_what_tensorflows_creator_stack_makes(monkeypatch
     assert strategy_binding._DirectMirroring.for_strategy(strategy) is not None
     assert strategy_binding._DirectMirroring.for_strategy(tf.distribute.OneDeviceStrategy("/cpu:0")) is None
 
-    def moved_facts():
+    def moved():
         model, metric = _model(), keras.metrics.Mean()
         variables = list(model.variables) + list(metric.variables)
         before = [v.numpy().copy() for v in variables]
@@ -232,13 +232,90 @@ def test_direct_mirroring_makes_what_tensorflows_creator_stack_makes(monkeypatch
         for value, variable in zip(before, variables):
             for component in variable.value.values:
                 np.testing.assert_array_equal(component.numpy(), value)
-        return [_distributed_variable_facts(v.value, strategy) for v in variables]
+        return [v.value for v in variables]
 
-    direct = moved_facts()
+    left_to_tensorflow = []
+    move_all = strategy_binding._DirectMirroring.move_all
+    monkeypatch.setattr(strategy_binding._DirectMirroring, "move_all",
+                        lambda self, variables: left_to_tensorflow.extend(move_all(self, variables)) or [])
+    direct = moved()
+    assert left_to_tensorflow == []  # the direct path made every one
     monkeypatch.setattr(strategy_binding._DirectMirroring, "for_strategy", classmethod(lambda cls, s: None))
-    through_tensorflow = moved_facts()
-    assert {facts[0] for facts in direct} == {"MirroredVariable", "SyncOnReadVariable"}
-    assert direct == through_tensorflow
+    through_tensorflow = moved()
+    assert {type(d).__name__ for d in direct} == {"MirroredVariable", "SyncOnReadVariable"}
+    assert ([_distributed_variable_facts(d, strategy) for d in direct]
+            == [_distributed_variable_facts(d, strategy) for d in through_tensorflow])
+    with strategy.scope():  # pure TensorFlow: the same attributes on the wrapper and on a copy (whose
+        # container TensorFlow records on a ResourceVariable's handle, on the component itself on a copy)
+        references = {type(r).__name__: r for r in (tf.Variable(0.0), tf.Variable(
+            0.0, synchronization=tf.VariableSynchronization.ON_READ, aggregation=tf.VariableAggregation.SUM))}
+    for distributed in direct:
+        reference = references[type(distributed).__name__]
+        assert set(vars(distributed)) == set(vars(reference))
+        assert set(vars(distributed.values[1])) - {"_distributed_container"} == set(vars(reference.values[1]))
+
+
+def test_direct_mirroring_leaves_a_strategy_with_its_own_create_variable_to_tensorflow(monkeypatch):
+    """central.assign_state_from_first_replica replaces ``extended._create_variable`` to give non-trainable
+    variables ONLY_FIRST_REPLICA: the moved batch-norm statistics get it as on TensorFlow's path."""
+    from kerasdist._keras_internals import central
+
+    monkeypatch.setattr(central, "install_summed_metric_updates", lambda: None)  # the patch is not under test
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    central.assign_state_from_first_replica(strategy)
+    assert strategy_binding._DirectMirroring.for_strategy(strategy) is None
+    model = _model()
+    internals.move_to_strategy(model, strategy)
+    moving_mean = model.layers[1].moving_mean.value
+    assert moving_mean.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA
+    assert model.layers[0].kernel.value.aggregation == tf.VariableAggregation.NONE
+
+
+def test_moved_variables_take_aggregation_and_synchronization_from_the_keras_variable(mirroring_path):
+    """A Keras variable whose tf.Variable disagrees with it (built from a tf.Variable): moved, it has the
+    Keras variable's aggregation and synchronization, on both paths."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    mean = keras.Variable(initializer=tf.Variable(0.0), aggregation="mean")
+    on_read = keras.Variable(initializer=tf.Variable(0.0), synchronization="on_read", aggregation="sum")
+    assert mean.value.aggregation == tf.VariableAggregation.NONE  # what Keras kept: the case under test
+    strategy_binding._move_variables([mean, on_read], strategy)
+    assert type(mean.value).__name__ == "MirroredVariable"
+    assert mean.value.aggregation == tf.VariableAggregation.MEAN
+    assert type(on_read.value).__name__ == "SyncOnReadVariable"
+    assert on_read.value.aggregation == tf.VariableAggregation.SUM
+    assert on_read.value.synchronization == tf.VariableSynchronization.ON_READ
+
+
+def test_a_move_that_fails_leaves_every_variable_as_it_was(mirroring_path):
+    """TensorFlow refuses an int variable with aggregation mean: the error comes out, and no variable,
+    before or after that one, is left moved."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    refused = keras.Variable(initializer=tf.Variable(3), dtype="int32", aggregation="mean")
+    variables = [keras.Variable(1.0), refused, keras.Variable(initializer=tf.Variable(2.0), aggregation="mean")]
+    olds = [v.value for v in variables]
+    with pytest.raises(ValueError, match="non-floating dtype"):
+        strategy_binding._move_variables(variables, strategy)
+    assert all(v.value is old for v, old in zip(variables, olds))
+    assert [v.numpy() for v in variables] == [1.0, 3, 2.0]
+    assert not any(hasattr(old, "_distributed_container") or hasattr(old.handle, "_distributed_container")
+                   for old in olds)
+    strategy_binding._move_variables(variables[::2], strategy)  # the others still move
+    assert variables[0].value.values[0] is olds[0]
+    assert [type(v.value).__name__ for v in variables[::2]] == ["MirroredVariable"] * 2
+
+
+def test_direct_mirroring_only_for_an_eager_plain_mirrored_strategy_without_variable_policies(monkeypatch):
+    """The single-worker MultiWorkerMirroredStrategy (a MirroredStrategy subclass), a graph, and variable
+    policies (MirroredExtended._use_var_policy, read as is: a TensorFlow that renames it fails here) all
+    go through TensorFlow's path."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy_binding._DirectMirroring.for_strategy(strategy) is not None
+    assert strategy_binding._DirectMirroring.for_strategy(tf.distribute.MultiWorkerMirroredStrategy()) is None
+    in_graph = []
+    tf.function(lambda: in_graph.append(strategy_binding._DirectMirroring.for_strategy(strategy)) or 0)()
+    assert in_graph == [None]
+    monkeypatch.setattr(strategy.extended, "_use_var_policy", True)
+    assert strategy_binding._DirectMirroring.for_strategy(strategy) is None
 
 
 def test_direct_mirroring_leaves_a_variable_off_replica_0s_device_to_tensorflow():
@@ -635,7 +712,9 @@ def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     code = """
 import inspect, numpy as np, torch, keras
 from keras.src.backend.torch import trainer
-from kerasdist._keras_internals.torch import keras_wraps_ddp, metrics_updated_after_apply, synchronize_torch_batch_norm
+from kerasdist._keras_internals.torch import (compiled_metrics, keras_step_order_is_known, keras_wraps_ddp,
+                                              synchronize_torch_batch_norm)
+from keras.src.trainers.trainer import Trainer
 step = inspect.getsource(trainer.TorchTrainer.train_step)
 assert "self.optimizer.scale_loss(loss)" in step and "self.optimizer.apply(gradients, trainable_weights)" in step
 order = [step.index(piece) for piece in ("self._loss_tracker.update_state(", "self.optimizer.apply(",
@@ -643,11 +722,17 @@ order = [step.index(piece) for piece in ("self._loss_tracker.update_state(", "se
 assert order == sorted(order), order  # loss tracker before apply, compiled metrics after
 compiled = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
 compiled.compile(loss="mse", metrics=["mae"])
-assert metrics_updated_after_apply(compiled) == [compiled._compile_metrics]
+assert keras_step_order_is_known(compiled) and compiled_metrics(compiled) == [compiled._compile_metrics]
+plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+plain.compile(loss="mse")
+assert compiled_metrics(plain) == []
+metrics_step = inspect.getsource(Trainer.compute_metrics).split(chr(34) * 3)[-1]  # its code: updates only these
+assert "self._compile_metrics.update_state(" in metrics_step and "return self.get_metrics_result()" in metrics_step
+assert metrics_step.count("update_state(") == 1, metrics_step
 class OwnStep(keras.Sequential):
     def train_step(self, data):
         return super().train_step(data)
-assert metrics_updated_after_apply(OwnStep([keras.Input((3,)), keras.layers.Dense(1)])) is None
+assert not keras_step_order_is_known(OwnStep([keras.Input((3,)), keras.layers.Dense(1)]))
 assert not keras_wraps_ddp()
 model = keras.Sequential([keras.Input((5, 3)), keras.layers.BatchNormalization()])
 layer = model.layers[0]

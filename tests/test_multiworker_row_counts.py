@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, python, run
-from tests.test_multiworker import max_diff, weights
+from tests.helpers import ROOT, max_diff, python, run, weights
 
 KERASDIST = os.path.join(os.path.dirname(sys.executable), "kerasdist")
 COUNTING_WORKER = os.path.join(ROOT, "tests", "workers", "mw_row_counts.py")

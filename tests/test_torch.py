@@ -43,7 +43,9 @@ def _launch(out, *args, check=True, **env):
 #: scenario -> torch_train.py switches. All of them train in ONE `kerasdist launch -n 2` and their references
 #: in ONE plain process (tests/workers/torch_cases.py runs them in turn): one start-up and rendezvous for all.
 SCENARIOS = {"built": [], "unbuilt": ["--unbuilt"], "uneven": ["--rows", "46", "--batch", "15"],
-             "no_metrics": ["--no-metrics"], "own_step": ["--custom-step", "--rows", "46", "--batch", "15"]}
+             "no_metrics": ["--no-metrics", "--rows", "46", "--batch", "15"],
+             "own_step": ["--custom-step", "--rows", "46", "--batch", "15"],
+             "recompile": ["--recompile", "--rows", "46", "--batch", "15"]}
 #: run only under the launch: the SIGKILL test's uninterrupted 4-epoch run
 LAUNCH_ONLY = {"uninterrupted": ["--epochs", "4"]}
 
@@ -132,11 +134,16 @@ def test_uneven_and_empty_shares_train_like_one_process(two_ranks, one_process):
 
 # -- Must show 3, and a rank that dies ---------------------------------------------------------------
 
-def test_batch_logs_without_metrics_or_with_a_custom_train_step_are_the_global_batch_s(two_ranks, one_process):
-    """Keras's own step: the loss tracker's states ride in the gradients' all-reduce (no metrics: one
-    collective a step); a model class with its own train_step: every state summed when the logs are read."""
-    for name in ("no_metrics", "own_step"):
-        _assert_like_one_process(_scenario(two_ranks, name), _scenario(one_process, name, [0])[0], atol=1e-5)
+def test_batch_logs_take_one_all_reduce_a_step_without_metrics_and_are_the_global_batch_s(two_ranks, one_process):
+    """Keras's own step: the loss tracker's states travel in the gradients' all-reduce (no metrics: one
+    all-reduce a step; compiled metrics: one more); a model class with its own train_step: every state summed
+    when the logs are read; a model compiled again (new optimizer, now with metrics) after a first fit."""
+    expected = {"no_metrics": 1, "built": 2, "own_step": 2, "recompile": 2}
+    for name, count in expected.items():
+        ranks = _scenario(two_ranks, name)
+        _assert_like_one_process(ranks, _scenario(one_process, name, [0])[0], atol=1e-5)
+        for rank in ranks:  # the first step also agrees on the largest share
+            assert set(rank["all_reduces"][1:].tolist()) == {count}, (name, rank["all_reduces"])
 
 
 def test_sigkilled_worker_job_ends_then_resumes_from_the_backup(tmp_path, two_ranks):

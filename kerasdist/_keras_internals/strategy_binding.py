@@ -3,7 +3,10 @@
 Keras 3 binds a model to the tf.distribute strategy that is current when the model object is constructed
 (``Trainer._distribute_strategy``) and an optimizer to the strategy current in its ``__init__``
 (``TFOptimizer._distribution_strategy``). kerasdist moves objects built elsewhere under a strategy, which
-needs those private attributes and ``Variable._initialize``.
+needs those private attributes and ``Variable._initialize``; under a plain MirroredStrategy it also makes the
+distributed variables itself, from TensorFlow's ``MirroredExtended._devices`` and
+``distribute_utils.VARIABLE_CLASS_MAPPING`` (checked against TensorFlow's own path in
+tests/test_keras_internals.py).
 """
 
 import contextlib
@@ -60,14 +63,33 @@ def _move_variables(variables, strategy):
     direct = _DirectMirroring.for_strategy(strategy)
     with (_reusing_first_components() as reuse, strategy.scope(),
           context.device_policy(context.DEVICE_PLACEMENT_SILENT), record.stop_recording()):
-        for variable in variables:
-            if getattr(variable, "_value", None) is None:
-                continue  # not created yet: it will be created under the scope
-            current = variable._value
-            if _belongs_to(current, strategy):
-                continue
-            if direct is None or not direct.move(variable, current):
-                variable._initialize(reuse.offer(current))
+        belongs = _belonging_to(strategy)
+        # a variable not created yet will be created under the scope
+        moving = [v for v in variables if getattr(v, "_value", None) is not None and not belongs(v._value)]
+        with _all_or_none_moved(moving):
+            if direct is not None:
+                moving = direct.move_all(moving)
+            for variable in moving:
+                variable._initialize(reuse.offer(variable._value, _agrees_with(variable, variable._value)))
+
+
+@contextlib.contextmanager
+def _all_or_none_moved(variables):
+    """On any error, give every variable back its old tf.Variable (no longer a component of a distributed
+    one) before the error goes on: a half-moved model would train wrongly."""
+    def holders(old):  # where DistributedVariable records its container: the handle of a ResourceVariable
+        return [h for h in (old, old.handle) if not hasattr(h, "_distributed_container")]
+
+    olds = [(variable, variable._value, holders(variable._value)) for variable in variables]
+    try:
+        yield
+    except BaseException:
+        for variable, old, uncontained in olds:
+            variable._value = old
+            for holder in uncontained:
+                if hasattr(holder, "_distributed_container"):
+                    delattr(holder, "_distributed_container")
+        raise
 
 
 class _DirectMirroring:
@@ -86,45 +108,69 @@ class _DirectMirroring:
     @classmethod
     def for_strategy(cls, strategy):
         """None unless ``strategy`` is exactly a MirroredStrategy (a subclass such as the multi-worker one
-        creates its variables otherwise) without variable policies, and eager. Variable creators the
+        creates its variables otherwise) without variable policies and without a ``_create_variable`` of
+        its own on ``extended`` (central.assign_state_from_first_replica changes aggregations there), and
+        eager. Variable creators the
         caller has in force are no reason: on TensorFlow's path too the strategy's creator, entered
         last, hands each component to :func:`_reusing_first_components`'s, which never calls them."""
         import tensorflow as tf
         from tensorflow.python.distribute import mirrored_strategy
 
         if (type(strategy.extended) is not mirrored_strategy.MirroredExtended
-                or getattr(strategy.extended, "_use_var_policy", False) or not tf.executing_eagerly()):
+                or "_create_variable" in vars(strategy.extended)
+                or strategy.extended._use_var_policy or not tf.executing_eagerly()):
             return None
         return cls(strategy, tuple(strategy.extended._devices))
 
-    def move(self, variable, old):
-        """Give ``variable`` its distributed variable; False (nothing done) where TensorFlow's path must do
-        it: ``old`` distributed, elsewhere than replica 0's device, unlike the variable in trainable or dtype,
-        or with a synchronization TensorFlow refuses (its error then comes from its own path)."""
+    def move_all(self, variables):
+        """Give each variable its distributed variable, each replica's copies made under one device scope;
+        returns those left to TensorFlow's path (see :meth:`_movable`), untouched."""
         import tensorflow as tf
         from tensorflow.python.distribute import distribute_utils
+        from tensorflow.python.framework import ops
 
-        if (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
-                or variable.trainable != old.trainable or tf.as_dtype(variable.dtype) != old.dtype
-                or old.synchronization.name not in self._SYNCHRONIZATIONS):
-            return False
-        synchronization = old.synchronization
-        if synchronization == tf.VariableSynchronization.AUTO:  # as TensorFlow resolves it for every component
-            synchronization = tf.VariableSynchronization.ON_WRITE
-        name = old.name.split(":")[0]
-        kwargs = {"trainable": old.trainable, "synchronization": synchronization, "aggregation": old.aggregation}
-        components = [old] + [_copy_on(device, old, dict(kwargs, name=f"{name}/replica_{i}/"))
-                              for i, device in enumerate(self.devices[1:], start=1)]
-        wrapper = distribute_utils.VARIABLE_CLASS_MAPPING[synchronization]
-        variable._initialize(wrapper(self.strategy, components, old.aggregation))
-        return True
+        movable, left = [], []
+        for variable in variables:
+            (movable if self._movable(variable, variable._value) else left).append(variable)
+        olds = [variable._value for variable in movable]
+        synchronizations = [tf.VariableSynchronization.ON_WRITE  # as TensorFlow resolves AUTO for every component
+                            if old.synchronization == tf.VariableSynchronization.AUTO else old.synchronization
+                            for old in olds]
+        names = [old.name.split(":")[0] for old in olds]
+        components = [[old] for old in olds]
+        for i, device in enumerate(self.devices[1:], start=1):
+            with ops.device(device):
+                for old, synchronization, name, values in zip(olds, synchronizations, names, components):
+                    values.append(_copy_on_this_device(old, {
+                        "name": f"{name}/replica_{i}/", "trainable": old.trainable,
+                        "synchronization": synchronization, "aggregation": old.aggregation}))
+        wrappers = [distribute_utils.VARIABLE_CLASS_MAPPING[synchronization](self.strategy, values, old.aggregation)
+                    for old, synchronization, values in zip(olds, synchronizations, components)]
+        for variable, wrapper in zip(movable, wrappers):  # all built first: an error leaves none moved
+            variable._initialize(wrapper)
+        return left
+
+    def _movable(self, variable, old):
+        """False where TensorFlow's path must do it: ``old`` distributed, elsewhere than replica 0's device,
+        unlike the variable in trainable, dtype, aggregation or synchronization (TensorFlow's path takes
+        those from the Keras variable, through ``Variable._map_aggregation``/``_map_synchronization``, the
+        direct one from ``old``), or with a synchronization TensorFlow refuses (its error then comes from
+        its own path)."""
+        import tensorflow as tf
+
+        return not (isinstance(old, tf.distribute.DistributedValues) or old.device != self.devices[0]
+                    or not _agrees_with(variable, old) or old.synchronization.name not in self._SYNCHRONIZATIONS)
 
 
-def _copy_on(device, variable, kwargs):
-    from tensorflow.python.framework import ops
+def _agrees_with(variable, old):
+    """Does the tf.Variable ``old`` have what TensorFlow's path gives the Keras ``variable``'s new one:
+    trainable, dtype, and aggregation and synchronization as ``Variable._initialize`` maps them
+    (``_map_aggregation``/``_map_synchronization``)? Only then may it serve as a component."""
+    import tensorflow as tf
 
-    with ops.device(device):
-        return _copy_on_this_device(variable, kwargs)
+    return (variable.trainable == old.trainable and tf.as_dtype(variable.dtype) == old.dtype
+            and old.aggregation == variable._map_aggregation(variable.aggregation)
+            and old.synchronization == variable._map_synchronization(variable.synchronization))
 
 
 class _FirstComponentReuse:
@@ -133,12 +179,12 @@ class _FirstComponentReuse:
     def __init__(self):
         self.initial_value = self.variable = self.copying = None
 
-    def offer(self, variable):
+    def offer(self, variable, reusable=True):
         """The initial value to give ``tf.Variable`` for ``variable``'s replacement: it reads ``variable``
-        only when called, which a component that reuses ``variable`` never does."""
+        only when called, which a component that reuses ``variable`` (only if ``reusable``) never does."""
         import tensorflow as tf
 
-        self.variable, self.copying = variable, None
+        self.variable, self.copying = (variable if reusable else None), None
         self.initial_value = lambda: tf.convert_to_tensor(variable.read_value())  # what moving read before
         return self.initial_value
 
@@ -157,7 +203,7 @@ def _reusing_first_components():
 
     def creator(next_creator, **kwargs):
         old, offered = reuse.variable, reuse.initial_value
-        if (offered is not None and kwargs.get("initial_value") is offered
+        if (offered is not None and old is not None and kwargs.get("initial_value") is offered
                 and not isinstance(old, tf.distribute.DistributedValues)
                 and old.device == context.context().device_name
                 and kwargs.get("trainable", old.trainable) == old.trainable
@@ -191,15 +237,18 @@ def _copy_on_this_device(variable, kwargs):
     return copy
 
 
-def _belongs_to(tf_variable, strategy):
-    """True when the backing variable already lives under ``strategy`` (a plain
-    tf.Variable lives under the default strategy)."""
+def _belonging_to(strategy):
+    """A test: does a backing variable already live under ``strategy`` (a plain tf.Variable lives under
+    the default strategy)? What it says of plain variables is worked out once."""
     import tensorflow as tf
 
-    distribute = getattr(tf_variable, "_distribute_strategy", None)
-    if distribute is not None:
-        return distribute is strategy
-    return strategy is None or (strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy())
+    plain_ones_do = strategy is None or (strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy())
+
+    def belongs(tf_variable):
+        distribute = getattr(tf_variable, "_distribute_strategy", None)
+        return plain_ones_do if distribute is None else distribute is strategy
+
+    return belongs
 
 
 def move_to_strategy(model, strategy, optimizer=None):

@@ -38,17 +38,20 @@ def keras_wraps_ddp():
         return False
 
 
-def metrics_updated_after_apply(model):
-    """The metrics Keras's own torch ``train_step`` updates after ``optimizer.apply`` (the compiled metrics:
-    a list of zero or one ``Metric``), or None when the model's class or instance replaces ``train_step`` or
-    ``compute_metrics`` (the order is then the user's)."""
+def keras_step_order_is_known(model):
+    """Whether ``model`` trains with Keras's own torch ``train_step`` and ``compute_metrics`` (neither
+    replaced by its class or on the instance): then the loss trackers are updated before
+    ``optimizer.apply`` and only the compiled metrics after it. Ask before wrapping the instance's step."""
     from keras.src.backend.torch.trainer import TorchTrainer
     from keras.src.trainers.trainer import Trainer
 
-    if type(model).train_step is not TorchTrainer.train_step or "train_step" in vars(model):
-        return None
-    if type(model).compute_metrics is not Trainer.compute_metrics or "compute_metrics" in vars(model):
-        return None
+    own = vars(model)
+    return (type(model).train_step is TorchTrainer.train_step and "train_step" not in own
+            and type(model).compute_metrics is Trainer.compute_metrics and "compute_metrics" not in own)
+
+
+def compiled_metrics(model):
+    """The metrics Keras's ``compute_metrics`` updates (those of the latest ``compile``): [] or [one Metric]."""
     compiled = getattr(model, "_compile_metrics", None)
     return [compiled] if compiled is not None else []
 

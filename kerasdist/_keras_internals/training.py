@@ -94,14 +94,20 @@ def weight_replicas_by_batch_share(model, optimizer, strategy=None, *, replicas=
     model._maybe_symbolic_build = maybe_symbolic_build
 
 
-def set_batch_share_weighting(model, enabled, *, replicas=None, sum_counts=None):
+_UNCHANGED = object()  # set_batch_share_weighting's default: keep the value set before
+
+
+def set_batch_share_weighting(model, enabled, *, replicas=_UNCHANGED, sum_counts=_UNCHANGED):
     """Turn the weighting of :func:`weight_replicas_by_batch_share` on or off for the next ``fit`` (it
     costs one small all-reduce per step; off when every batch splits evenly), its row counts summed by
-    ``sum_counts`` over ``replicas`` processes of one replica each (None: the strategy's all-reduce).
-    Retraces when any of them changes."""
+    ``sum_counts`` over ``replicas`` processes of one replica each (None: the strategy's all-reduce;
+    left out: as set before). Retraces when any of them changes."""
     state = getattr(model, "_kerasdist_uneven", None)
-    wanted = (bool(enabled), replicas, sum_counts)
-    if state is not None and (state.enabled, state.replicas, state.sum_counts) != wanted:
+    if state is None:
+        return
+    wanted = (bool(enabled), state.replicas if replicas is _UNCHANGED else replicas,
+              state.sum_counts if sum_counts is _UNCHANGED else sum_counts)
+    if (state.enabled, state.replicas, state.sum_counts) != wanted:
         state.enabled, state.replicas, state.sum_counts = wanted
         model.train_function = None
 

@@ -191,16 +191,15 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if _strategy_free(strategy):
         return _adjust_strategy_free_call(method, call_kwargs, model, spec)
     if method in ("fit", "evaluate"):
-        use_ring(model, strategy, method)
+        ring = use_ring(model, strategy, method)
     chief = bool(strategy.extended.should_checkpoint)
     if method == "fit":
         from kerasdist.plugin_tools import may_split_unevenly, set_batch_share_weighting
 
         # weighting replicas by their batch share costs one small all-reduce per step: only when needed, and
         # over the TCP ring when the gradients take it (a TensorFlow collective costs ~1 ms CPU per step more)
-        ring = state.ring if state.ring and not model.jit_compile else None
         set_batch_share_weighting(model, may_split_unevenly(call_kwargs, strategy.num_replicas_in_sync),
-                                  **({"replicas": ring.size, "sum_counts": ring.sum_count} if ring else {}))
+                                  replicas=ring.size if ring else None, sum_counts=ring.sum_count if ring else None)
         index = private_backups.count_fit()
         workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
         if spec.backup:

@@ -17,7 +17,8 @@ RING_CONNECT_TIMEOUT = 60.0
 
 
 def use_ring(model, strategy, method):
-    """Send this model's gradients and logs over the TCP ring, when the workers agreed on one."""
+    """Send this model's gradients and logs over the TCP ring, when the workers agreed on one. Returns the
+    ring that carries this ``fit``'s gradients, or None."""
     if state.ring is None:
         ring = agree_on_ring(strategy, state.cluster, state.options)
         state.ring = keep_ring_if_faster(ring, model, strategy, state.options) or False  # auto: measured
@@ -27,6 +28,8 @@ def use_ring(model, strategy, method):
         # an XLA-compiled step cannot call back into Python: it keeps TensorFlow's all-reduce
         use = ring and not model.jit_compile
         route_gradient_all_reduce(model.optimizer, strategy, ring.sum_tensors if use else _collective_sum)
+        return ring if use else None
+    return None
 
 
 def _collective_sum(tensors):

@@ -35,7 +35,7 @@ class MultiWorker(kerasdist.StrategySpec):
     flags). Giving different values here is an error.
 
     :param communication: "auto" (when every worker trains on one CPU device, kerasdist's TCP
-        ring or TensorFlow's collectives, whichever a short probe at the first ``fit`` finds
+        ring or TensorFlow's collectives, whichever a short probe at the first ``fit``/``evaluate`` finds
         faster for a gradient-sized all-reduce, rank 0 deciding for all; ``KERASDIST_TRANSPORT_PROBE=off``
         skips the probe and keeps the ring; on GPUs TensorFlow's choice), "tcp" (always the TCP
         ring, no probe: gradients and per-step logs over plain sockets, the rest over TensorFlow's

@@ -1,11 +1,13 @@
 """communication="auto" on CPU workers: the TCP ring or TensorFlow's collectives, whichever is faster here.
 
-At the first ``fit``/``evaluate`` of the process, once the TCP ring is connected, every worker sums a
-buffer the size of the model's gradients (its trainable parameters, float32) a few times through the
-ring and through TensorFlow's collective all-reduce (the one the strategy uses for Keras's gradients),
-alternating the two. Rank 0's medians decide, and every worker receives that decision over the ring,
-so workers can never choose differently (and hang). The ring wins on the machines measured so far
-(docs/benchmarks.md); on a CPU where it does not, ``auto`` takes TensorFlow's collectives.
+At the first ``fit``/``evaluate`` of the process, once the TCP ring is connected, every worker times a
+few step-shaped rounds on each transport, alternating the two: a buffer the size of rank 0's model's
+gradients (its trainable parameters, float32, at most MAX_PARAMETERS = 8M elements, 32 MB) plus one
+scalar (the per-step log sum), through the ring and through TensorFlow's collective all-reduce (the one
+the strategy uses for Keras's gradients). Rank 0's medians decide, and every worker receives that
+decision over the ring, so workers can never choose differently (and hang). A jit-compiled model keeps
+TensorFlow's all-reduce for its gradients anyway: no probe, the ring kept for the logs. The ring wins on
+the machines measured so far (docs/benchmarks.md); on a CPU where it does not, ``auto`` takes TensorFlow's collectives.
 """
 
 import dataclasses
@@ -22,7 +24,9 @@ log = logging.getLogger("kerasdist.multiworker")
 
 #: Gradient size probed when the model has no weights yet (2 MiB of float32).
 DEFAULT_PARAMETERS = 1 << 19
-#: Timed rounds (one all-reduce on each transport per round): at least MIN, at most MAX, and no new
+#: The most float32 elements probed (32 MB): past that both transports are bandwidth-bound alike.
+MAX_PARAMETERS = 1 << 23
+#: Timed rounds (one step-shaped exchange on each transport per round): at least MIN, at most MAX, and no new
 #: round once the timed all-reduces took BUDGET_S in all on any worker.
 MIN_ROUNDS, MAX_ROUNDS, BUDGET_S = 3, 9, 0.3
 _CHOICES = ("tcp", "tensorflow")
@@ -48,22 +52,34 @@ def last_probe() -> Optional[ProbeResult]:
 
 
 def _record():
-    return process_state.slot("multiworker.transport_probe", dict)
+    return process_state.slot("multiworker.transport_probe", dict, keep=True)  # lives as long as the decision
 
 
 def keep_ring_if_faster(ring, model, strategy, options):
     """``ring`` when it should carry the gradients, else False (the ring is closed).
 
     Every worker calls this with the ring the workers agreed on (the same truth on all of them). The
-    probe runs only when every worker's setting is "auto" and none turned it off; a "tcp" worker
-    keeps the ring unmeasured. ``options``: this worker's :class:`~.options.CollectiveOptions`.
+    probe runs only when every worker's setting is "auto", none turned it off and no worker's model is
+    jit-compiled; otherwise the ring is kept unmeasured. Every worker probes rank 0's gradient size.
+    ``options``: this worker's :class:`~.options.CollectiveOptions`. On any error the ring is closed
+    (the other workers then fail instead of waiting).
     """
     if not ring or ring.size == 1:
         return ring
-    wants_probe = options.communication == "auto" and options.probe
-    if ring.all_reduce(np.array([0.0 if wants_probe else 1.0]))[0] > 0:
-        return ring
-    start, size = time.perf_counter(), _gradient_size(model)
+    wants_probe = options.communication == "auto" and options.probe and not getattr(model, "jit_compile", False)
+    try:
+        own_size = _gradient_size(model) if wants_probe and ring.rank == 0 else 0
+        refusals, size = ring.all_reduce(np.array([0.0 if wants_probe else 1.0, float(own_size)]))
+        if refusals > 0:
+            return ring
+        return _probe(ring, strategy, int(size))
+    except BaseException:
+        ring.close()
+        raise
+
+
+def _probe(ring, strategy, size):
+    start = time.perf_counter()
     ring_s, tensorflow_s, rounds = _medians(ring, strategy, size)
     own = "tcp" if ring_s <= tensorflow_s else "tensorflow"
     offer = np.zeros(3) if ring.rank else np.array([_CHOICES.index(own) + 1.0, ring_s, tensorflow_s])
@@ -72,7 +88,7 @@ def keep_ring_if_faster(ring, model, strategy, options):
                          time.perf_counter() - start)
     _record()["result"] = result
     if ring.rank == 0:
-        log.info("kerasdist multiworker: gradient all-reduce of %d float32 (%.2f MB), median of %d: TCP ring "
+        log.info("all-reduce of %d float32 (%.2f MB) and a scalar, median of %d: TCP ring "
                  "%.2f ms, TensorFlow's collectives %.2f ms; using %s (probe: %.2f s)", size, size * 4e-6, rounds,
                  result.ring_ms, result.tensorflow_ms,
                  "the TCP ring" if result.choice == "tcp" else "TensorFlow's collectives", result.seconds)
@@ -84,29 +100,35 @@ def keep_ring_if_faster(ring, model, strategy, options):
 
 def _gradient_size(model):
     size = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
-    return size or DEFAULT_PARAMETERS
+    return min(size or DEFAULT_PARAMETERS, MAX_PARAMETERS)
 
 
 def _medians(ring, strategy, size):
-    """This worker's median seconds per all-reduce of ``size`` float32, on the ring and on TensorFlow's
-    collectives, and the number of timed rounds (the same on every worker)."""
+    """This worker's median seconds per step-shaped exchange (a gradient all-reduce of ``size`` float32
+    and a scalar one, as the per-step log sum), on the ring and on TensorFlow's collectives, and the
+    number of timed rounds (the same on every worker)."""
     import tensorflow as tf
 
-    buffer = tf.zeros([size], tf.float32)
+    buffer, scalar = tf.zeros([size], tf.float32), tf.zeros([], tf.float32)
 
     @tf.function(autograph=False)  # plain graph building: autograph's conversion cost ~0.3 s (loaded machine)
-    def ring_sum(x):
-        return ring.sum_tensors([x])[0]
+    def ring_step(x, s):
+        total = ring.sum_tensors([x])[0]
+        with tf.control_dependencies([total]):  # one after the other, as in a step
+            return total, ring.sum_tensors([tf.identity(s)])[0]
 
     @tf.function(autograph=False)
-    def tensorflow_sum(x):
-        def replica(x):  # a copy on the replica's device, as the gradients are
-            return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(x))
+    def tensorflow_step(x, s):
+        def replica(x, s):  # copies on the replica's device, as the gradients are
+            context = tf.distribute.get_replica_context()
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(x))
+            with tf.control_dependencies([total]):
+                return total, context.all_reduce(tf.distribute.ReduceOp.SUM, tf.identity(s))
 
-        return strategy.run(replica, args=(x,))
+        return strategy.run(replica, args=(x, s))
 
-    calls = (lambda: ring_sum(buffer).numpy(),
-             lambda: strategy.experimental_local_results(tensorflow_sum(buffer))[0].numpy())
+    calls = (lambda: [t.numpy() for t in ring_step(buffer, scalar)],
+             lambda: [strategy.experimental_local_results(t)[0].numpy() for t in tensorflow_step(buffer, scalar)])
     for call in calls:  # trace and set up, untimed
         call()
     times = ([], [])

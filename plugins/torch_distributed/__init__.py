@@ -118,8 +118,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
         from . import training
 
-        state = training.StepState()
-        model._kerasdist_torch_bn_state = state
+        state = training.state_of(model)
         synchronize_torch_batch_norm(model, dist_functional.all_reduce,
                                      lambda: 0.0 if state.placeholder else 1.0)
 
@@ -175,8 +174,7 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
         if isinstance(x, RankShare) and len(x):
             symbolic_build(model, x[0])
     if not keras_wraps_ddp():
-        state = getattr(model, "_kerasdist_torch_bn_state", None) or training.StepState()
-        training.install(model, model.optimizer, state)
+        training.install(model, model.optimizer)
         if method == "fit" and model.built:
             training.broadcast_from_rank0(list(model.variables) + list(model.optimizer.variables))
     return call(**call_kwargs)

@@ -33,9 +33,12 @@ def take_share(batch, rank, world):
     start, stop = share(rows, rank, world)
     if stop > start:
         return tuple(_map(lambda a: a[start:stop], part) for part in batch)
-    x = _map(lambda a: a[:1], batch[0])
-    y = _map(lambda a: a[:1], batch[1]) if len(batch) > 1 else None
-    return x, y, np.full((1,), PLACEHOLDER_MARK, dtype="float32")
+    return _placeholder(tuple(_map(lambda a: a[:1], part) for part in batch[:2]))
+
+
+def _placeholder(first_row):
+    """A batch of ``(x[, y])``'s first row that weighs nothing (this rank's share is empty)."""
+    return first_row[0], first_row[1] if len(first_row) > 1 else None, np.full((1,), PLACEHOLDER_MARK, "float32")
 
 
 def _map(function, value):
@@ -51,11 +54,11 @@ def _as_array(value):
 
 
 class RankShare(keras.utils.PyDataset):
-    """This rank's part of each global batch of a source read in order (``batch(i)`` = global batch i)."""
+    """This rank's part of each global batch of a source read in order: ``part(i)`` is its part of batch i."""
 
-    def __init__(self, batches, count, rank, world):
+    def __init__(self, part, count, rank, world):
         super().__init__()
-        self._batches, self._count, self.rank, self.world = batches, count, rank, world
+        self._part, self._count, self.rank, self.world = part, count, rank, world
 
     def __len__(self):
         return self._count
@@ -63,7 +66,7 @@ class RankShare(keras.utils.PyDataset):
     def __getitem__(self, index):
         if index >= self._count:
             raise IndexError(index)
-        return take_share(self._batches(index), self.rank, self.world)
+        return self._part(index)
 
 
 def shared_seed():
@@ -91,24 +94,32 @@ class _Order:
 
 
 def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
+    """Only this rank's rows of each global batch are read: a view of the arrays when not shuffled."""
+    if sample_weight is not None and y is None:
+        raise KerasdistError("data_parallel (torch): sample_weight without y is not supported; give y.")
     size = len(first_array(x))
     order = _Order(size, shuffle)
     count = -(-size // batch_size)
+    parts = [x] + [p for p in (y, sample_weight) if p is not None]
 
-    def batch(index):
-        rows = order.at(index)[index * batch_size:(index + 1) * batch_size]
-        parts = [x] + [p for p in (y, sample_weight) if p is not None]
-        if sample_weight is not None and y is None:
-            raise KerasdistError("data_parallel (torch): sample_weight without y is not supported; give y.")
-        return tuple(keras.tree.map_structure(lambda a: np.asarray(a)[rows], p) for p in parts)
+    def my_part(index):
+        begin = index * batch_size
+        start, stop = share(min(batch_size, size - begin), rank, world)
+        keep = slice(start, stop) if stop > start else slice(0, 1)  # an empty share: a placeholder row
+        if order.rng is None:  # in order: a slice (a view, no copy)
+            rows = slice(begin + keep.start, begin + keep.stop)
+        else:
+            rows = order.at(index)[begin:begin + batch_size][keep]
+        picked = tuple(keras.tree.map_structure(lambda a: np.asarray(a)[rows], p) for p in parts)
+        return picked if stop > start else _placeholder(picked)
 
-    return RankShare(batch, count, rank, world)
+    return RankShare(my_part, count, rank, world)
 
 
 def from_py_dataset(dataset, shuffle, rank, world):
     count = len(dataset)
     order = _Order(count, shuffle)
-    return RankShare(lambda index: dataset[int(order.at(index)[index])], count, rank, world)
+    return RankShare(lambda index: take_share(dataset[int(order.at(index)[index])], rank, world), count, rank, world)
 
 
 def from_iterable(make_iterator, count, rank, world):
@@ -120,7 +131,7 @@ def from_iterable(make_iterator, count, rank, world):
             current["it"] = iter(make_iterator())
         return _as_tuple(next(current["it"]))
 
-    return RankShare(batch, count, rank, world)
+    return RankShare(lambda index: take_share(batch(index), rank, world), count, rank, world)
 
 
 def _as_tuple(batch):

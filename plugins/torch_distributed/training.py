@@ -6,9 +6,10 @@ pass (``optimizer.scale_loss``), ``n_r`` its row count and ``u`` the largest sha
 same in every rank, so a full batch weighs 1: float16 gradients are not inflated); ``optimizer.apply`` sums
 the gradients and the weights of every rank in one ``all_reduce`` over one flat buffer and divides by the
 summed weight: the gradient of the global mean, ``sum_r (n_r / N) grad_r``, also when the ranks' shares
-differ (an uneven last batch) or one is empty. Because the weighting happens before backward, gradients that cross ranks through synchronized
-BatchNormalization are weighted right too. Keras then applies its own clipping, loss scaling and gradient
-accumulation to that gradient, exactly as on one device.
+differ (an uneven last batch) or one is empty. Because the weighting happens before backward, gradients that
+cross ranks through synchronized BatchNormalization are weighted right too. Keras then applies its own
+clipping, loss scaling and gradient accumulation to that gradient, exactly as on one device. A gradient that
+is None (a weight the loss does not reach) stays None.
 
 Metrics: every rank logs the metrics of every rank (their states summed, additive: totals, counts, confusion
 counts). With Keras's own ``train_step`` and ``compute_metrics`` the states the step has already updated when
@@ -20,21 +21,24 @@ A rank whose share of a batch is empty gets a placeholder row (data.py marks it 
 -0.0): it runs the same forward/backward (the same collectives) with weight 0, and its metrics are untouched.
 """
 
+import math
+
 import keras
 
-from kerasdist.plugin_tools import metrics_updated_after_apply, unique_variables
+from kerasdist.plugin_tools import compiled_metrics, keras_step_order_is_known, unique_variables
 
 PLACEHOLDER_MARK = -0.0  # the sample weight of a placeholder row (a rank with no rows in this batch)
 
 
 class StepState:
-    """This process's current step: its rows, and whether it holds only a placeholder."""
+    """One model's current training step (shared by its optimizers and synchronized BatchNormalization):
+    its rows, whether it holds only a placeholder, and the metric states summed with its gradients."""
 
     rows = 1
     placeholder = False
     unit = None  # the largest share of the first training step, agreed by every rank
-    riders = None  # the metric states that ride in this step's gradient all-reduce (Keras's own step only)
-    summed = None  # (those variables, their sums over the ranks), for this step's get_metrics_result
+    early_states = None  # metric states updated before optimizer.apply (Keras's own step): summed with the grads
+    early_sums = None  # their sums over the ranks, for this step's get_metrics_result
 
     @property
     def weight(self):
@@ -68,34 +72,42 @@ def local_rows(data):
     return int(first.shape[0]) if first is not None and len(first.shape) else 1
 
 
-def install(model, optimizer, state):
+def state_of(model):
+    """The model's :class:`StepState` (one per model: a recompiled model's new optimizer shares it)."""
+    state = model.__dict__.get("_kerasdist_torch_state")
+    if state is None:
+        state = model._kerasdist_torch_state = StepState()
+    return state
+
+
+def install(model, optimizer):
     """Wrap this model's steps, its optimizer's ``scale_loss``/``apply`` and ``get_metrics_result`` (instance
     attributes: other models and optimizers are untouched). Idempotent per object."""
+    state = state_of(model)
     if "_kerasdist_torch" not in model.__dict__:
-        model._kerasdist_torch = state
+        model._kerasdist_torch = True
         model.train_step = _train_step(model, model.train_step, state)
         model.test_step = _test_step(model, model.test_step)
-        model.get_metrics_result = _all_reduced_metrics(model, model.get_metrics_result)
+        model.get_metrics_result = _all_reduced_metrics(model, model.get_metrics_result, state)
     if "_kerasdist_torch" not in optimizer.__dict__:
-        optimizer._kerasdist_torch = state
+        optimizer._kerasdist_torch = True
         optimizer.scale_loss = _weighted_loss(optimizer.scale_loss, state)
         optimizer.apply = _averaged_apply(optimizer.apply, state)
 
 
 def _train_step(model, original, state):
-    after_apply = metrics_updated_after_apply(model)
+    order_known = keras_step_order_is_known(model)  # asked before the instance's train_step is replaced
 
     def train_step(data):
-        state.riders = None if after_apply is None else _states_before_apply(model, after_apply)
-        state.summed = None
-        state.placeholder = is_placeholder(data)
-        state.rows = 0 if state.placeholder else local_rows(data)
-        if state.unit is None:
-            state.unit = _largest(state.rows)
         try:
+            state.early_states = _states_before_apply(model) if order_known else None
+            state.placeholder = is_placeholder(data)
+            state.rows = 0 if state.placeholder else local_rows(data)
+            if state.unit is None:
+                state.unit = _largest(state.rows)
             return original(data) if not state.placeholder else _placeholder_step(model, data)
         finally:
-            state.riders = state.summed = None
+            state.early_states = state.early_sums = None
 
     return train_step
 
@@ -111,11 +123,11 @@ def _placeholder_step(model, data):
     loss = sum((t.float().sum() * 0.0 for t in outputs), torch.zeros((), device=outputs[0].device))
     loss = model.optimizer.scale_loss(loss)
     variables = model.trainable_weights[:]
-    if loss.requires_grad:
-        loss.backward()
-    gradients = [v.value.grad if v.value.grad is not None else torch.zeros_like(v.value) for v in variables]
-    with torch.no_grad():
-        model.optimizer.apply(gradients, variables)
+    if variables:  # as Keras's step: no trainable weights, no apply
+        if loss.requires_grad:
+            loss.backward()
+        with torch.no_grad():
+            model.optimizer.apply([v.value.grad for v in variables], variables)
     return model.get_metrics_result()
 
 
@@ -149,46 +161,55 @@ def _averaged_apply(original, state):
         import torch
         import torch.distributed as dist
 
-        like = [g for g in grads if g is not None]
-        device = like[0].device if like else "cpu"
-        riders = state.riders or []
-        flat = torch.cat([g.reshape(-1).float() for g in like]
-                         + [v.value.detach().reshape(-1).float().to(device) for v in riders]
-                         + [torch.tensor([state.weight], device=device)])
+        grads = list(grads)
+        variables = list(trainable_variables) if trainable_variables is not None else [None] * len(grads)
+        device = next((g.device for g in grads if g is not None), "cpu")
+        # a gradient that is None (a weight the loss does not reach) is sent as zeros with a "present" flag 0:
+        # every rank sends the same buffer, whichever of its gradients are None
+        likes = [g if g is not None else v.value if v is not None else torch.zeros(0, device=device)
+                 for g, v in zip(grads, variables)]
+        parts = [g.reshape(-1).float() if g is not None else torch.zeros(like.numel(), device=device)
+                 for g, like in zip(grads, likes)]
+        early = state.early_states or []
+        flags = [float(g is not None) for g in grads] + [state.weight]
+        flat = torch.cat(parts + [v.value.detach().reshape(-1).float().to(device) for v in early]
+                         + [torch.tensor(flags, device=device)])
         dist.all_reduce(flat)
-        if state.riders is not None:
-            state.summed = (riders, _split(flat[sum(g.numel() for g in like):-1], riders))
+        at = sum(p.numel() for p in parts)
+        if state.early_states is not None:
+            state.early_sums = _unflatten(flat[at:len(flat) - len(flags)].clone(), [v.value.shape for v in early])
+        present = flat[len(flat) - len(flags):-1].tolist()
         total = flat[-1] if float(flat[-1]) > 0 else torch.ones((), device=device)  # every share empty: no step
-        averaged, at = [], 0
-        for g in grads:
-            if g is None:
-                averaged.append(None)
-                continue
-            part = flat[at:at + g.numel()].reshape(g.shape)
-            averaged.append((part / total).to(g.dtype))
-            at += g.numel()
+        sums = _unflatten(flat, [like.shape for like in likes])
+        averaged = [(part / total).to(like.dtype) if count > 0 else None
+                    for part, like, count in zip(sums, likes, present)]
         return original(averaged, trainable_variables)
 
     return apply
 
 
-def _states_before_apply(model, after_apply):
-    """The metric states Keras's own training step has updated when it calls ``optimizer.apply`` (float32
-    ones: they ride in the gradients' float32 all-reduce)."""
-    later = {id(v) for m in after_apply for v in m.variables}
-    return [v for v in unique_variables(v for m in model.metrics for v in m.variables)
-            if id(v) not in later and str(v.dtype) == "float32"]
+def _states_before_apply(model):
+    """The metric states Keras's own training step has updated when it calls ``optimizer.apply``: all but
+    the compiled metrics' (float32 ones: they travel in the gradients' float32 all-reduce)."""
+    later = {id(v) for m in compiled_metrics(model) for v in m.variables}
+    return [v for v in _metric_states(model) if id(v) not in later and str(v.dtype) == "float32"]
 
 
-def _split(flat, variables):
+def _metric_states(model):
+    return unique_variables(v for m in model.metrics for v in m.variables)
+
+
+def _unflatten(flat, shapes):
+    """The start of ``flat`` cut into tensors of these shapes, in order."""
     parts, at = [], 0
-    for variable in variables:
-        parts.append(flat[at:at + variable.value.numel()].reshape(variable.value.shape))
-        at += variable.value.numel()
+    for shape in shapes:
+        size = math.prod(shape)
+        parts.append(flat[at:at + size].reshape(shape))
+        at += size
     return parts
 
 
-def _all_reduced_metrics(model, original):
+def _all_reduced_metrics(model, original, state):
     """``get_metrics_result`` over every rank: the metrics' state variables (totals, counts, confusion
     counts: additive) summed over the ranks for the result, then put back, so each rank keeps its own. The
     states summed in this step's gradient all-reduce are taken from there; the rest in one all-reduce."""
@@ -196,19 +217,19 @@ def _all_reduced_metrics(model, original):
         import torch
         import torch.distributed as dist
 
-        state = model._kerasdist_torch
-        summed_variables, sums = state.summed or ([], [])
-        state.summed = None  # read once: a later call (epoch end) sums every state again
-        done = {id(v) for v in summed_variables}
-        rest = [v for v in unique_variables(v for m in model.metrics for v in m.variables) if id(v) not in done]
-        if not rest and not summed_variables:
+        taken = state.early_sums is not None  # this step's apply summed the early states
+        summed, sums = (list(state.early_states), list(state.early_sums)) if taken else ([], [])
+        state.early_sums = None  # read once: a later call (epoch end) sums every state again
+        done = {id(v) for v in summed}
+        rest = [v for v in _metric_states(model) if id(v) not in done]
+        if not rest and not summed:
             return original()
-        variables = summed_variables + rest
+        variables = summed + rest
         local = [v.value.detach().clone() for v in variables]
         if rest:
             flat = torch.cat([v.value.detach().reshape(-1).double() for v in rest])
             dist.all_reduce(flat)
-            sums = sums + _split(flat, rest)
+            sums += _unflatten(flat, [v.value.shape for v in rest])
         with torch.no_grad():
             for variable, value, total in zip(variables, local, sums):
                 variable.assign(total.to(value.dtype))

@@ -2,7 +2,9 @@
 
 Usage: torch_train.py OUT_DIR [--epochs N] [--batch B] [--rows R] [--distribute WORD|none] [--input arrays|
 dataloader|pydataset|tfdata] [--policy P] [--accumulate K] [--bn] [--sync-bn] [--backup DIR]
-[--checkpoint] [--no-metrics] [--custom-step]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E (1-based). Writes OUT_DIR/rank{r}.npz (weights, history, evaluate, predict).
+[--checkpoint] [--no-metrics] [--custom-step] [--recompile]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E
+(1-based). Writes OUT_DIR/rank{r}.npz (weights, history, each batch's logs and all-reduce count, evaluate,
+predict).
 ``main(argv)`` runs one job in this process (tests/workers/torch_cases.py runs several in turn).
 """
 
@@ -38,6 +40,8 @@ def arguments(argv=None):
     parser.add_argument("--seed", type=int, default=1, help="rank 0's weight seed (rank r: seed + r)")
     parser.add_argument("--no-metrics", action="store_true", help="compile without metrics=")
     parser.add_argument("--custom-step", action="store_true", help="a model class with its own train_step")
+    parser.add_argument("--recompile", action="store_true",
+                        help="first compile without metrics and fit an epoch, then compile again (a new optimizer)")
     return parser.parse_args(argv)
 
 
@@ -66,14 +70,39 @@ def model(bn, unbuilt=False, seed=1, custom_step=False):
 
 
 class BatchLogs(keras.callbacks.Callback):
-    """Every training batch's logs (all-reduced: each rank must log the global batch's figures)."""
+    """Every training batch's logs (all-reduced: each rank must log the global batch's figures) and how many
+    ``torch.distributed.all_reduce`` calls it made."""
 
     def __init__(self):
         super().__init__()
-        self.rows = []
+        self.rows, self.all_reduces = [], []
+        _count_all_reduces()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        ALL_REDUCES[0] = 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.rows.append([float(logs[k]) for k in sorted(logs)])
+        self.all_reduces.append(ALL_REDUCES[0])
+
+
+ALL_REDUCES = [0]
+
+
+def _count_all_reduces():
+    """Count ``torch.distributed.all_reduce`` calls (installed once per process)."""
+    import torch.distributed as dist
+
+    if getattr(dist.all_reduce, "counted", False):
+        return
+    original = dist.all_reduce
+
+    def all_reduce(*args, **kwargs):
+        ALL_REDUCES[0] += 1
+        return original(*args, **kwargs)
+
+    all_reduce.counted = True
+    dist.all_reduce = all_reduce
 
 
 def as_input(kind, x, y, batch):
@@ -120,6 +149,9 @@ def main(argv=None):
     net = model(args.bn, args.unbuilt, args.seed + int(os.environ.get("RANK", "0")), args.custom_step)
     distribute = None if args.distribute == "none" else (
         kerasdist.spec(args.distribute, sync_batch_norm=True) if args.sync_bn else args.distribute)
+    if args.recompile:  # a user's first stage (e.g. a frozen base), then the model compiled again
+        net.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", distribute=distribute)
+        net.fit(**as_input(args.input, x, y, args.batch), epochs=1, shuffle=False, verbose=0)
     optimizer = keras.optimizers.SGD(0.05, gradient_accumulation_steps=args.accumulate)
     net.compile(optimizer=optimizer, loss="mse", metrics=None if args.no_metrics else ["mae"],
                 distribute=distribute)
@@ -139,7 +171,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), *[np.asarray(w, dtype="float64") for w in net.get_weights()],
              loss=np.asarray(history.history["loss"]), mae=np.asarray(history.history.get("mae", [])),
-             batch_logs=np.asarray(batch_logs.rows),
+             batch_logs=np.asarray(batch_logs.rows), all_reduces=np.asarray(batch_logs.all_reduces),
              evaluate=np.asarray([evaluated["loss"], evaluated.get("mae", 0.0)]),
              predict=np.asarray(predicted, "float64"),
              epochs_run=np.asarray(len(history.history["loss"])))
