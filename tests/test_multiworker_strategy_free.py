@@ -1,5 +1,6 @@
-"""distribute="multiworker" with KERASDIST_STRATEGY_FREE=on (issue 22): plain Keras in each worker under the default
-strategy, gradients x rows, rows and loss over the TCP ring in one message per step. Real worker processes on
+"""distribute="multiworker" strategy-free (issue 22; the default on CPU workers, KERASDIST_STRATEGY_FREE=on forces it):
+plain Keras in each worker under the default strategy, gradients x rows, rows and loss over the TCP ring in one
+message per step; and KERASDIST_STRATEGY_FREE=off, MultiWorkerMirroredStrategy's step. Real worker processes on
 127.0.0.1 (kerasdist launch, timeouts); the broadcast of rank 0's state over a real two-rank ring in threads."""
 
 import json
@@ -79,11 +80,27 @@ def test_rank_zeros_weights_and_optimizer_state_reach_every_rank():
 
 def test_a_bad_strategy_free_setting_names_the_valid_ones():
     import kerasdist
-    from kerasdist_plugins.multiworker.strategy_free import wanted
+    from kerasdist_plugins.multiworker.strategy_free import setting
 
-    assert wanted({}) is False and wanted({"KERASDIST_STRATEGY_FREE": "ON"}) is True
-    with pytest.raises(kerasdist.KerasdistError, match=r"KERASDIST_STRATEGY_FREE='yes' is not valid; choose on"):
-        wanted({"KERASDIST_STRATEGY_FREE": "yes"})
+    assert setting({}) == "auto" and setting({"KERASDIST_STRATEGY_FREE": " ON"}) == "on"
+    with pytest.raises(kerasdist.KerasdistError, match=r"KERASDIST_STRATEGY_FREE='yes' is not valid; choose auto"):
+        setting({"KERASDIST_STRATEGY_FREE": "yes"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy_free", ["auto", "off"])
+def test_jit_compile_true_on_cpu_workers_is_an_error_naming_the_fix(tmp_path, strategy_free):
+    """Neither step can run XLA across CPU workers (the ring cannot be called from XLA; TensorFlow's XLA has no CPU
+    collectives: "Collectives are not yet implemented for CPU devices when compiling with XLA"): compile says so
+    in every worker, before any step."""
+    failed = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", WORKER, "--jit-compile", "--epochs", "1",
+                  "--out", str(tmp_path)], timeout=150, check=False, env=child_env(KERASDIST_STRATEGY_FREE=strategy_free))
+    assert failed.returncode != 0, failed.stdout[-3000:]
+    for rank in (0, 1):
+        assert any(line.startswith(f"[{rank}] ") and "KerasdistError: distribute='multiworker' on CPU workers cannot "
+                   "train with jit_compile=True" in line for line in failed.stdout.splitlines()), failed.stdout[-3000:]
+    assert "Pass jit_compile=False or 'auto'" in failed.stdout and "EPOCH_BEGIN" not in failed.stdout
 
 
 NOTICE = "[0] kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on)"
@@ -91,20 +108,21 @@ NOTICE = "[0] kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FR
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("column", ["mixed_float16", "accumulation_2", "small_last_batch"])
-def test_strategy_free_equivalence_cells_equal_plain_keras(column, tmp_path):
-    """test_equivalence's multiworker cells, strategy-free: mixed_float16 (the loss scale checks the summed
-    gradients), Keras's gradient accumulation, a small last batch split unevenly."""
+@pytest.mark.parametrize("column", ["float32", "mixed_float16", "accumulation_2", "small_last_batch"])
+def test_multiworker_mirrored_strategy_step_still_equals_plain_keras(column, tmp_path):
+    """test_equivalence's multiworker cells train strategy-free (the default); with KERASDIST_STRATEGY_FREE=off
+    MultiWorkerMirroredStrategy's step (which sync_batch_norm, shard_policy file/off and TensorFlow's
+    collectives still use) must equal plain Keras too."""
     from tests import test_equivalence as eq
 
-    out = str(tmp_path / f"free-{column}.npz")
+    out = str(tmp_path / f"mwms-{column}.npz")
     cmd, _ = eq.command("multiworker", out, eq.COLUMNS[column][0])
-    result = run(cmd, timeout=240, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, KERASDIST_STRATEGY_FREE="on"), check=False)
-    assert NOTICE in result.stdout, result.stdout[-3000:]
+    result = run(cmd, timeout=240, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, KERASDIST_STRATEGY_FREE="off"), check=False)
+    assert "[0] REPLICAS 2" in result.stdout, result.stdout[-3000:]
     steps, theirs = eq.saved_result("multiworker", column, out, result)
     reference_steps, reference = eq.train(None, column, str(tmp_path))
     difference, tol = eq.max_difference(reference, theirs), eq.tolerance(column, reference)
-    print(f"strategy-free {column}: steps {steps} (plain {reference_steps}), max |dw| {difference:.3g} (tol {tol:.3g})")
+    print(f"MWMS {column}: steps {steps} (plain {reference_steps}), max |dw| {difference:.3g} (tol {tol:.3g})")
     assert steps == reference_steps and difference <= tol
 
 

@@ -12,11 +12,12 @@ import os
 import sys
 
 import kerasdist
-from kerasdist import ClusterConfigError
+from kerasdist import ClusterConfigError, KerasdistError
 from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups
 
 from . import strategy_free
 from .gradients import agree_on_ring, gradient_transport, use_ring
+from .probe import keep_ring_if_faster
 from .join import TooLate, check_port_free, join_cluster, state
 from .options import (BACKUP_DIR_VAR, BYTES_PER_PACK_VAR, COLLECTIVE_TIMEOUT_VAR, COMMUNICATION_VAR,
                       DEFAULT_JOIN_TIMEOUT, JOIN_TIMEOUT_VAR, SCRATCH_DIR_VAR, CollectiveOptions, MultiWorker,
@@ -130,22 +131,28 @@ def kerasdist_create_strategy(spec, cluster):
         state.strategy = join_cluster(cluster, state.options,
                                       number_from_env(os.environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT))
     check_options_match(spec, state.options)
-    if strategy_free.wanted(os.environ) and strategy_free.supports(spec) and _free_ring() is not None:
+    if _trains_strategy_free(spec):
         import tensorflow as tf
 
-        if state.strategy.extended.should_checkpoint and not state.said_strategy_free:
-            state.said_strategy_free = True
-            print("kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on): plain Keras in each "
-                  "worker, gradients over the TCP ring", file=sys.stderr, flush=True)
         return tf.distribute.get_strategy()  # plain Keras in each worker; the ring carries the rest
     return state.strategy
 
 
-def _free_ring():
-    """The TCP ring for strategy-free training, agreed at compile (no probe), or None (GPUs, settings)."""
+def _trains_strategy_free(spec):
+    """Whether ``spec`` trains strategy-free here. The ring is agreed (and, under ``auto``, measured against
+    TensorFlow's collectives) at the first compile that could use it; every worker reaches the same answer."""
+    mode = strategy_free.setting(os.environ)
+    if mode == "off" or not strategy_free.supports(spec):
+        return False
     if state.ring is None:
-        state.ring = agree_on_ring(state.strategy, state.cluster, state.options) or False
-    return state.ring or None
+        ring = agree_on_ring(state.strategy, state.cluster, state.options)
+        state.ring = (ring if mode == "on" else keep_ring_if_faster(ring, None, state.strategy, state.options)) \
+            or False
+    if state.ring and mode == "on" and state.strategy.extended.should_checkpoint and not state.said_strategy_free:
+        state.said_strategy_free = True
+        print("kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on): plain Keras in each "
+              "worker, gradients over the TCP ring", file=sys.stderr, flush=True)
+    return bool(state.ring)
 
 
 def _strategy_free(strategy):
@@ -155,6 +162,8 @@ def _strategy_free(strategy):
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
+    if isinstance(spec, MultiWorker):
+        _refuse_xla_on_cpu_workers(compile_kwargs)
     if isinstance(spec, MultiWorker) and _strategy_free(strategy):
         strategy_free.check_compile(compile_kwargs)
     elif isinstance(spec, MultiWorker):
@@ -163,12 +172,21 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
 
 
+def _refuse_xla_on_cpu_workers(compile_kwargs):
+    devices = state.strategy.extended.worker_devices if state.strategy is not None else ()
+    if compile_kwargs.get("jit_compile") is True and devices and all("CPU" in d.upper() for d in devices):
+        raise KerasdistError(
+            "distribute='multiworker' on CPU workers cannot train with jit_compile=True: TensorFlow's XLA has no CPU "
+            "collectives, and kerasdist's TCP ring cannot be called from an XLA-compiled step. Pass "
+            "jit_compile=False or 'auto' (Keras's default, which uses no XLA on CPUs).")
+
+
 # -- fit / evaluate / predict --------------------------------------------------------
 
 @kerasdist.hookimpl
 def kerasdist_prepare_dataset(dataset, method, spec):
     if isinstance(spec, MultiWorker) and is_dataset(dataset) and method != "predict" and state.ring \
-            and strategy_free.wanted(os.environ) and strategy_free.supports(spec):
+            and strategy_free.setting(os.environ) != "off" and strategy_free.supports(spec):
         return strategy_free.split_dataset(dataset, state.ring)
     if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None

@@ -1,4 +1,5 @@
-"""Strategy-free multiworker training over the TCP ring (issue 22; opt-in: ``KERASDIST_STRATEGY_FREE=on``).
+"""Strategy-free multiworker training over the TCP ring (issue 22): the default on CPU workers
+(``KERASDIST_STRATEGY_FREE``: auto, the default; on; off keeps MultiWorkerMirroredStrategy's step).
 
 Each worker compiles and fits under TensorFlow's default strategy (one replica, plain Keras ``fit``);
 the MultiWorkerMirroredStrategy joined at ``import kerasdist`` only agrees on the ring at ``compile``.
@@ -23,12 +24,15 @@ from .options import STRATEGY_FREE_VAR
 _exchanges = weakref.WeakKeyDictionary()
 
 
-def wanted(environ):
-    value = environ.get(STRATEGY_FREE_VAR, "off").strip().lower() or "off"
-    if value not in ("on", "off"):
-        raise KerasdistError(f"{STRATEGY_FREE_VAR}={value!r} is not valid; choose on (multiworker trains "
-                             "without a tf.distribute strategy over the TCP ring) or off (the default).")
-    return value == "on"
+def setting(environ):
+    """``KERASDIST_STRATEGY_FREE``: "auto" (the default: strategy-free when the workers agree on the TCP ring and
+    ``auto``'s probe keeps it), "on" (the same, probe or not) or "off" (MultiWorkerMirroredStrategy's step)."""
+    value = environ.get(STRATEGY_FREE_VAR, "auto").strip().lower() or "auto"
+    if value not in ("auto", "on", "off"):
+        raise KerasdistError(f"{STRATEGY_FREE_VAR}={value!r} is not valid; choose auto (the default: multiworker "
+                             "trains without a tf.distribute strategy, over the TCP ring, when the ring runs and "
+                             "is faster), on (over the ring whenever it runs) or off (MultiWorkerMirroredStrategy).")
+    return value
 
 
 class _Exchange:
@@ -45,11 +49,7 @@ def supports(spec):
 
 
 def check_compile(compile_kwargs):
-    if compile_kwargs.get("jit_compile") is True:
-        raise KerasdistError("multiworker with KERASDIST_STRATEGY_FREE=on: jit_compile=True cannot call the TCP "
-                             "ring from an XLA-compiled step; pass jit_compile=False or 'auto', or set "
-                             "KERASDIST_STRATEGY_FREE=off.")
-    compile_kwargs["jit_compile"] = False
+    compile_kwargs["jit_compile"] = False  # "auto" (True was refused): the ring is called from the step
 
 
 def install(model, ring):
