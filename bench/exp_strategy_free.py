@@ -10,6 +10,8 @@ process, 1 intra-op + 1 inter-op thread). Kinds, run interleaved (the order alte
 - ``alone``: 1 process, plain Keras ``fit`` on the per-worker batch;
 - ``ceiling``: 2 independent plain processes (no cluster, no communication), timed together;
 - ``mw``: 2 workers, ``distribute="multiworker"`` (MultiWorkerMirroredStrategy, gradients over the TCP ring);
+- ``mwfree``: ``mw`` with ``KERASDIST_STRATEGY_FREE=on``: the plugin's own strategy-free path (default strategy,
+  one ring message per step for gradients x rows, rows and loss; rank 0's state broadcast at the start);
 - ``mwtfcount``: ``mw`` with the per-step row count (uneven batches: the batch dimension is dynamic) summed by
   a TensorFlow collective, as before kerasdist sent it over the TCP ring;
 - ``mwlocallogs``: ``mw`` whose per-step logs are not averaged over the workers (each keeps its own: what the
@@ -44,7 +46,7 @@ from _common import (barrier, cpu_description, free_ports, median, print_result,
 from timeline_multiworker import cpu_by_thread_name, thread_cpu  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-KINDS = ("alone", "ceiling", "mw", "mwtfcount", "mwlocallogs", "mwstatic", "mwnoop", "free", "free1")
+KINDS = ("alone", "ceiling", "mw", "mwfree", "mwtfcount", "mwlocallogs", "mwstatic", "mwnoop", "free", "free1")
 
 
 # -- inside a worker -----------------------------------------------------------------------------
@@ -223,6 +225,7 @@ def run(kind, args):
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": addresses},
                                            "task": {"type": "worker", "index": index}})
             env["KERASDIST_COMMUNICATION"] = "tcp"  # the TCP ring, as auto picks on CPUs (and no probe)
+            env["KERASDIST_STRATEGY_FREE"] = "on" if kind == "mwfree" else "off"
         elif kind.startswith("free"):
             env["BENCH_RING"] = json.dumps(addresses)
         environments.append(env)

@@ -8,18 +8,24 @@ workers, the ring's entry points are timed (the gradient and the log all-reduce 
 ``tf.numpy_function`` calls into ``TcpRing.sum_arrays``), and Keras callbacks mark the step boundaries, so
 that each step splits into:
 
-- ``fwd+bwd``: step begin -> gradient all-reduce entered (input, forward, backward, dispatch into Python)
+- ``fwd+bwd``: step begin -> gradient all-reduce entered (input, forward, backward, dispatch into Python), less
+  ``count sum``
+- ``count sum``: ring calls before the gradients' (MultiWorkerMirroredStrategy's step: the row count of an
+  uneven batch)
 - ``grad wait``: inside the gradient all-reduce, waiting for the peer's first bytes (the other worker is
   still computing: imbalance)
 - ``grad xfer``: the rest of the gradient all-reduce (packing, socket transfer, summing, unpacking)
-- ``apply``: gradient all-reduce left -> log all-reduce entered (optimizer update, metrics)
-- ``log sum``: the log all-reduce (one small message)
-- ``to python``: log all-reduce left -> Keras's batch end callback (function return, logs to numpy)
+- ``apply``: gradient all-reduce left -> the next ring call entered (optimizer update, metrics), or -> Keras's
+  batch end callback when none follows (the strategy-free step: its loss travels with the gradients)
+- ``log sum``: ring calls after the gradients' (the log all-reduce, metric states)
+- ``to python``: the last ring call left -> Keras's batch end callback (function return, logs to numpy)
 - ``between``: batch end -> next batch begin (Keras's loop, callbacks)
 
 ``--pin`` and ``--noop`` add variants to the interleaved rounds (2 workers each pinned to one CPU; 2 workers
 whose ring calls return without moving a byte: what the multi-worker step costs without the transfer; its
-training is wrong, its timing is the point); for others, add a kind to ``run`` the same way.
+training is wrong, its timing is the point); ``--mwms`` adds 2 workers on MultiWorkerMirroredStrategy's step
+(``KERASDIST_STRATEGY_FREE=off``: the step before issue 22's strategy-free default); for others, add a kind to
+``run`` the same way.
 
 It also prints each process's CPU use during the timed steps by thread (from /proc/self/task), which
 shows what competes with the compute thread (gRPC pollers, TF's inter-op pools, the ring), and the input
@@ -39,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import cpu_description, free_ports, print_result, results, run_processes  # noqa: E402
 
 HERE = os.path.abspath(__file__)
-PHASES = ("fwd+bwd", "grad wait", "grad xfer", "apply", "log sum", "to python", "between")
+PHASES = ("fwd+bwd", "count sum", "grad wait", "grad xfer", "apply", "log sum", "to python", "between")
 
 
 # -- inside a worker -------------------------------------------------------------------------
@@ -102,21 +108,24 @@ def instrument_ring(marks):
         first_bytes.clear()
         entered = time.perf_counter()
         result = sum_arrays(self, *arrays)
-        kind = "log" if sum(a.size for a in arrays) < 64 else "grad"
-        marks.append((kind, entered, first_bytes[0] if first_bytes else entered, time.perf_counter()))
+        marks.append((sum(a.size for a in arrays), entered, first_bytes[0] if first_bytes else entered,
+                      time.perf_counter()))
         return result
 
     ring.TcpRing.sum_arrays, ring.TcpRing._exchange = timed_sum_arrays, timed_exchange
 
 
 def step_phases(begin, end, next_begin, calls):
-    """One step's phases (seconds) from its boundaries and the ring calls made inside it."""
-    grad = next((c for c in calls if c[0] == "grad"), None)
-    log = next((c for c in calls if c[0] == "log"), None)
-    if grad is None or log is None:
+    """One step's phases (seconds) from its boundaries and the ring calls (size, entered, first bytes, left) made
+    inside it: the largest is the gradients'; those before it count rows, those after it sum logs."""
+    if not calls:
         return None
-    return {"fwd+bwd": grad[1] - begin, "grad wait": grad[2] - grad[1], "grad xfer": grad[3] - grad[2],
-            "apply": log[1] - grad[3], "log sum": log[3] - log[1], "to python": end - log[3],
+    at = max(range(len(calls)), key=lambda i: calls[i][0])
+    grad, before, after = calls[at], calls[:at], calls[at + 1:]
+    count = sum(c[3] - c[1] for c in before)
+    return {"fwd+bwd": grad[1] - begin - count, "count sum": count, "grad wait": grad[2] - grad[1],
+            "grad xfer": grad[3] - grad[2], "apply": (after[0][1] if after else end) - grad[3],
+            "log sum": sum(c[3] - c[1] for c in after), "to python": end - after[-1][3] if after else 0.0,
             "between": next_begin - end}
 
 
@@ -202,6 +211,8 @@ def run(kind, args):
             env["BENCH_PIN_CPU"] = str(index)
         if kind == "noop":
             env["BENCH_RING_NOOP"] = "1"
+        if kind == "mwms":
+            env["KERASDIST_STRATEGY_FREE"] = "off"
         if workers > 1:
             env["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
                                            "task": {"type": "worker", "index": index}})
@@ -223,6 +234,8 @@ def main():
                         help="also 2 workers each pinned to one CPU (os.sched_setaffinity), interleaved")
     parser.add_argument("--noop", action="store_true",
                         help="also 2 workers whose ring moves nothing (not training correctly: a cost split)")
+    parser.add_argument("--mwms", action="store_true",
+                        help="also 2 workers on MultiWorkerMirroredStrategy's step (KERASDIST_STRATEGY_FREE=off)")
     args = parser.parse_args()
     if args.role == "worker":
         return worker(args)
@@ -230,7 +243,8 @@ def main():
           f"warm-up; {args.rounds} round(s); load average at start {os.getloadavg()[0]:.2f}")
     results = collections.defaultdict(list)
     for round_number in range(args.rounds):
-        kinds = ("alone", "ring") + (("pinned",) if args.pin else ()) + (("noop",) if args.noop else ())
+        kinds = ("alone", "ring") + (("pinned",) if args.pin else ()) + (("noop",) if args.noop else ()) \
+            + (("mwms",) if args.mwms else ())
         for kind in (kinds if round_number % 2 == 0 else kinds[::-1]):
             for result in run(kind, args):
                 results[(kind, result["rank"])].append(result)

@@ -211,9 +211,9 @@ def test_horovod_same_steps_and_weights_as_plain_keras(column, outdir):
     check("horovod", column, outdir)
 
 
-def overflow_run(cmd, tmp_path, tag=None):
+def overflow_run(cmd, tmp_path, tag=None, **env):
     try:
-        run(cmd, timeout=200, env=child_env(TF_CPP_MIN_LOG_LEVEL=3))
+        result = run(cmd, timeout=200, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, **env))
     finally:
         if tag:
             assert not left_behind(tag)
@@ -223,6 +223,7 @@ def overflow_run(cmd, tmp_path, tag=None):
         for name in rank.files:
             if name.startswith("w"):
                 np.testing.assert_array_equal(rank[name], np.full(rank[name].shape, 0.1, "float32"))
+    return result
 
 
 @pytest.mark.timeout(300)

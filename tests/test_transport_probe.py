@@ -15,6 +15,7 @@ KERASDIST = os.path.join(os.path.dirname(sys.executable), "kerasdist")
 WORKER = os.path.join(ROOT, "tests", "workers", "mw_probe.py")
 COMMON = ["--dataset", "--epochs", "2", "--examples", "96", "--batch", "16"]
 PARAMETERS = 6 * 5 + 5 + 5 * 2 + 2  # mw_train.py's model
+DEFAULT_PARAMETERS = 1 << 19  # probe.DEFAULT_PARAMETERS: strategy-free decides at compile, no model size yet
 
 
 def launch(out, **env):
@@ -37,11 +38,18 @@ def single(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_auto_probes_both_transports_and_every_worker_uses_rank_0s_choice(tmp_path, single):
+@pytest.mark.parametrize("strategy_free, parameters", [("auto", DEFAULT_PARAMETERS), ("off", PARAMETERS)],
+                         ids=["at-compile", "at-fit"])
+def test_auto_probes_both_transports_and_every_worker_uses_rank_0s_choice(tmp_path, single, strategy_free,
+                                                                          parameters):
     """The probe really runs on both workers, and rank 0's choice and figures are everyone's: the
     workers' own measurements are rigged to disagree (rank 0: TensorFlow's collectives, rank 1: the
-    ring), so a worker acting on its own would hang or train differently."""
-    output, found = launch(tmp_path, PROBE_TEST_FAVOUR="tensorflow,tcp", KERASDIST_TRANSPORT_PROBE="on")
+    ring), so a worker acting on its own would hang or train differently. Strategy-free (the default) decides
+    at the first compile, before the model's size is known (a 2 MiB gradient); MultiWorkerMirroredStrategy's
+    step (KERASDIST_STRATEGY_FREE=off) at the first fit, with rank 0's model's size. TensorFlow's collectives
+    chosen, both train under MultiWorkerMirroredStrategy."""
+    output, found = launch(tmp_path, PROBE_TEST_FAVOUR="tensorflow,tcp", KERASDIST_TRANSPORT_PROBE="on",
+                           KERASDIST_STRATEGY_FREE=strategy_free)
     assert set(found) == {(w, r) for w in ("PROBE", "TRANSPORT") for r in (0, 1)}, output[-3000:]
     probes = [json.loads(found["PROBE", r]) for r in (0, 1)]
     print(f"probe: {probes}")
@@ -49,12 +57,12 @@ def test_auto_probes_both_transports_and_every_worker_uses_rank_0s_choice(tmp_pa
     assert all(0 < p.pop("seconds") < 10 for p in probes)  # each worker's own clock
     assert probes[0] == probes[1]  # rank 0's decision and medians, bit for bit
     decided = probes[0]
-    assert decided["choice"] == "tensorflow" and decided["parameters"] == PARAMETERS
+    assert decided["choice"] == "tensorflow" and decided["parameters"] == parameters
     assert decided["ring_ms"] > decided["tensorflow_ms"] > 0 and 3 <= decided["rounds"] <= 9
     assert found["TRANSPORT", 0] == found["TRANSPORT", 1] == "tensorflow"
     logged = [line for line in output.splitlines() if "LOG kerasdist.multiworker all-reduce of" in line]
     assert len(logged) == 1 and logged[0].startswith("[0] "), logged  # the chief's one line
-    assert (f"all-reduce of {PARAMETERS} float32 (0.00 MB) and a scalar, median of {decided['rounds']}: TCP ring "
+    assert (f"all-reduce of {parameters} float32 ({parameters * 4e-6:.2f} MB) and a scalar, median of {decided['rounds']}: TCP ring "
             f"{decided['ring_ms']:.2f} ms, TensorFlow's collectives {decided['tensorflow_ms']:.2f} ms; using "
             "TensorFlow's collectives") in logged[0]
     w0, w1 = weights(tmp_path, 0), weights(tmp_path, 1)

@@ -9,12 +9,15 @@ Only the chief writes progress, checkpoints and TensorBoard events, and
 """
 
 import os
+import sys
 
 import kerasdist
-from kerasdist import ClusterConfigError
+from kerasdist import ClusterConfigError, KerasdistError
 from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups
 
-from .gradients import gradient_transport, use_ring
+from . import strategy_free
+from .gradients import agree_on_ring, gradient_transport, use_ring
+from .probe import keep_ring_if_faster
 from .join import TooLate, check_port_free, join_cluster, state
 from .options import (BACKUP_DIR_VAR, BYTES_PER_PACK_VAR, COLLECTIVE_TIMEOUT_VAR, COMMUNICATION_VAR,
                       DEFAULT_JOIN_TIMEOUT, JOIN_TIMEOUT_VAR, SCRATCH_DIR_VAR, CollectiveOptions, MultiWorker,
@@ -128,22 +131,63 @@ def kerasdist_create_strategy(spec, cluster):
         state.strategy = join_cluster(cluster, state.options,
                                       number_from_env(os.environ, JOIN_TIMEOUT_VAR, float, DEFAULT_JOIN_TIMEOUT))
     check_options_match(spec, state.options)
+    if _trains_strategy_free(spec):
+        import tensorflow as tf
+
+        return tf.distribute.get_strategy()  # plain Keras in each worker; the ring carries the rest
     return state.strategy
+
+
+def _trains_strategy_free(spec):
+    """Whether ``spec`` trains strategy-free here. The ring is agreed (and, under ``auto``, measured against
+    TensorFlow's collectives) at the first compile that could use it; every worker reaches the same answer."""
+    mode = strategy_free.setting(os.environ)
+    if mode == "off" or not strategy_free.supports(spec):
+        return False
+    if state.ring is None:
+        ring = agree_on_ring(state.strategy, state.cluster, state.options)
+        state.ring = (ring if mode == "on" else keep_ring_if_faster(ring, None, state.strategy, state.options)) \
+            or False
+    if state.ring and mode == "on" and state.strategy.extended.should_checkpoint and not state.said_strategy_free:
+        state.said_strategy_free = True
+        print("kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on): plain Keras in each "
+              "worker, gradients over the TCP ring", file=sys.stderr, flush=True)
+    return bool(state.ring)
+
+
+def _strategy_free(strategy):
+    return state.strategy is not None and strategy is not state.strategy and bool(state.ring)
 
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Keras's gradient_accumulation_steps, and synchronized batch statistics when asked."""
     if isinstance(spec, MultiWorker):
+        _refuse_xla_on_cpu_workers(compile_kwargs)
+    if isinstance(spec, MultiWorker) and _strategy_free(strategy):
+        strategy_free.check_compile(compile_kwargs)
+    elif isinstance(spec, MultiWorker):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
 
 
+def _refuse_xla_on_cpu_workers(compile_kwargs):
+    devices = state.strategy.extended.worker_devices if state.strategy is not None else ()
+    if compile_kwargs.get("jit_compile") is True and devices and all("CPU" in d.upper() for d in devices):
+        raise KerasdistError(
+            "distribute='multiworker' on CPU workers cannot train with jit_compile=True: TensorFlow's XLA has no CPU "
+            "collectives, and kerasdist's TCP ring cannot be called from an XLA-compiled step. Pass "
+            "jit_compile=False or 'auto' (Keras's default, which uses no XLA on CPUs).")
+
+
 # -- fit / evaluate / predict --------------------------------------------------------
 
 @kerasdist.hookimpl
-def kerasdist_prepare_dataset(dataset, spec):
+def kerasdist_prepare_dataset(dataset, method, spec):
+    if isinstance(spec, MultiWorker) and is_dataset(dataset) and method != "predict" and state.ring \
+            and strategy_free.setting(os.environ) != "off" and strategy_free.supports(spec):
+        return strategy_free.split_dataset(dataset, state.ring)
     if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None
     import tensorflow as tf
@@ -162,6 +206,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         return
     from . import backup, workers
 
+    if _strategy_free(strategy):
+        return _adjust_strategy_free_call(method, call_kwargs, model, spec)
     if method in ("fit", "evaluate"):
         ring = use_ring(model, strategy, method)
     chief = bool(strategy.extended.should_checkpoint)
@@ -180,4 +226,25 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0
         if method == "fit":  # the paths are given back at the end of training
+            workers.redirect_writes(call_kwargs, private_backups.scratch_dir())
+
+
+def _adjust_strategy_free_call(method, call_kwargs, model, spec):
+    from . import backup, workers
+
+    ring, chief = state.ring, bool(state.strategy.extended.should_checkpoint)
+    if method in ("fit", "evaluate"):
+        strategy_free.install(model, ring)
+        index = private_backups.count_fit() if method == "fit" else None
+        strategy_free.split_call_data(call_kwargs, ring.rank, ring.size, method,
+                                      spec.shuffle_seed + index if method == "fit" else None)
+        if method == "fit":
+            if spec.backup:
+                backup.add_backup(call_kwargs, spec, model, state.strategy, index, chief,
+                                  private_backups.scratch_dir())
+            call_kwargs["callbacks"].append(strategy_free.BroadcastFromRankZero(ring))
+    if not chief:
+        if call_kwargs.get("verbose", "auto") != 0:
+            call_kwargs["verbose"] = 0
+        if method == "fit":
             workers.redirect_writes(call_kwargs, private_backups.scratch_dir())

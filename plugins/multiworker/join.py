@@ -20,6 +20,7 @@ class state:
     cluster = None
     error = None
     ring = None  # the TcpRing, False when the workers agreed on TensorFlow's collectives
+    said_strategy_free = False  # the chief's one line saying KERASDIST_STRATEGY_FREE=on took effect
 
 
 class TooLate(KerasdistError):

@@ -14,6 +14,8 @@ JOIN_TIMEOUT_VAR = "KERASDIST_JOIN_TIMEOUT"
 #: "off": communication "auto" keeps the TCP ring on CPU workers without measuring it against TensorFlow's.
 PROBE_VAR = "KERASDIST_TRANSPORT_PROBE"
 BACKUP_DIR_VAR = "KERASDIST_BACKUP_DIR"
+#: "on": train under the default strategy, gradients over the TCP ring in one message per step (issue 22).
+STRATEGY_FREE_VAR = "KERASDIST_STRATEGY_FREE"
 #: Parent of non-chief workers' temporary write directories (kerasdist launch removes it at the end).
 SCRATCH_DIR_VAR = private_backups.SCRATCH_DIR_VAR
 DEFAULT_JOIN_TIMEOUT = 300.0

@@ -1,8 +1,9 @@
 """communication="auto" on CPU workers: the TCP ring or TensorFlow's collectives, whichever is faster here.
 
-At the first ``fit``/``evaluate`` of the process, once the TCP ring is connected, every worker times a
-few step-shaped rounds on each transport, alternating the two: a buffer the size of rank 0's model's
-gradients (its trainable parameters, float32, at most MAX_PARAMETERS = 8M elements, 32 MB) plus one
+Once the TCP ring is connected (at the first ``compile`` when the step could run strategy-free, the default;
+else at the first ``fit``/``evaluate``), every worker times a few step-shaped rounds on each transport,
+alternating the two: a buffer the size of rank 0's model's gradients (its trainable parameters, float32, at most
+MAX_PARAMETERS = 8M elements, 32 MB; DEFAULT_PARAMETERS at compile, before the strategy holds a model) plus one
 scalar (the per-step log sum), through the ring and through TensorFlow's collective all-reduce (the one
 the strategy uses for Keras's gradients). Rank 0's medians decide, and every worker receives that
 decision over the ring, so workers can never choose differently (and hang). A jit-compiled model keeps
@@ -99,7 +100,7 @@ def _probe(ring, strategy, size):
 
 
 def _gradient_size(model):
-    size = sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+    size = sum(int(np.prod(v.shape)) for v in model.trainable_weights) if model is not None else 0
     return min(size or DEFAULT_PARAMETERS, MAX_PARAMETERS)
 
 

@@ -104,6 +104,8 @@ def main(argv=None):
     if cluster.is_local or cluster.is_chief:
         np.savez(args.out, steps=np.array(counter.steps), **weights)
         print(f"EQUIVALENCE steps={counter.steps}", flush=True)
+        if keras.backend.backend() == "tensorflow":  # multiworker: 1 strategy-free, 2 under MultiWorkerMirroredStrategy
+            print(f"REPLICAS {model.distribute_strategy.num_replicas_in_sync}", flush=True)
     elif args.quantize:  # every worker's weights and int8 ranges, to compare the replicas
         np.savez(args.out.replace(".npz", f"-task{cluster.task_index}.npz"), steps=np.array(counter.steps), **weights)
 

@@ -23,7 +23,8 @@ def main(word, outdir):
     keras.mixed_precision.set_global_policy("mixed_float16")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), keras.layers.Dense(2)])
     model.set_weights([np.full(w.shape, 0.1, "float32") for w in model.weights])
-    options = {"horovod": {"shard": False}, "multiworker": {"shard_policy": "off"}}[word]
+    policy = os.environ.get("OVERFLOW_SHARD_POLICY", "off")  # strategy-free multiworker: "auto" (splits batches)
+    options = {"horovod": {"shard": False}, "multiworker": {"shard_policy": policy}}[word]
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute=kerasdist.spec(word, **options))
     rng = np.random.default_rng(rank)
     x = (0.1 * rng.normal(size=(16, 4))).astype("float32")

@@ -32,6 +32,7 @@ def parse():
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--write-dir", default="", help="add ModelCheckpoint, TensorBoard and CSVLogger here")
     parser.add_argument("--verbose", type=int, default=0)
+    parser.add_argument("--jit-compile", action="store_true", help="compile with jit_compile=True (XLA)")
     return parser.parse_args()
 
 
@@ -68,7 +69,8 @@ def main():
     y = (x @ rng.rand(6, 2) + 0.1).astype("float32")
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(2)])
     distribute = None if args.distribute == "none" else args.distribute
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], distribute=distribute)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], distribute=distribute,
+                  **({"jit_compile": True} if args.jit_compile else {}))
     chief = cluster.is_local or cluster.is_chief
     data = dict(x=x, y=y, batch_size=args.batch)
     if args.dataset:
@@ -88,6 +90,7 @@ def main():
     if not cluster.is_local:
         from kerasdist_plugins.multiworker import gradient_transport
         print(f"TRANSPORT {gradient_transport()}", flush=True)
+        print(f"REPLICAS {model.distribute_strategy.num_replicas_in_sync}", flush=True)  # 1: strategy-free
     if chief:
         print("FINAL " + json.dumps({k: v[-1] for k, v in history.history.items()}
                                     | {"epochs_run": len(history.epoch)}), flush=True)

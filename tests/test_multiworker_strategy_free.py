@@ -1,0 +1,137 @@
+"""distribute="multiworker" strategy-free (issue 22; the default on CPU workers, KERASDIST_STRATEGY_FREE=on forces it):
+plain Keras in each worker under the default strategy, gradients x rows, rows and loss over the TCP ring in one
+message per step; and KERASDIST_STRATEGY_FREE=off, MultiWorkerMirroredStrategy's step. Real worker processes on
+127.0.0.1 (kerasdist launch, timeouts); the broadcast of rank 0's state over a real two-rank ring in threads."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from tests.helpers import child_env, python, run
+from tests.test_multiworker import KERASDIST, WORKER, _initial, max_diff, weights
+
+
+def _final_logs(output):
+    return json.loads(next(line for line in output.splitlines() if "FINAL " in line).split("FINAL ", 1)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("data", [["--dataset", "--examples", "96", "--batch", "16"],
+                                  ["--examples", "100", "--batch", "15"]], ids=["dataset", "uneven-arrays"])
+def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path, data):
+    common = [WORKER, *data, "--epochs", "2"]
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", *common, "--out", str(tmp_path / "mw")],
+                 timeout=200, env=child_env(KERASDIST_STRATEGY_FREE="on",
+                                            KERASDIST_BACKUP_DIR=str(tmp_path / "backup")))
+    single = run(python(*common, "--distribute", "none", "--out", str(tmp_path / "single")), timeout=120)
+    w0, w1, one = weights(tmp_path / "mw", 0), weights(tmp_path / "mw", 1), weights(tmp_path / "single", 0)
+    logs, single_logs = _final_logs(result.stdout), _final_logs(single.stdout)
+    print(f"max |w0 - w1| = {max_diff(w0, w1):.3g}; max |w0 - single| = {max_diff(w0, one):.3g}; "
+          f"logs {logs} vs single {single_logs}")
+    assert "[0] TRANSPORT tcp" in result.stdout and "[1] TRANSPORT tcp" in result.stdout
+    assert "[0] REPLICAS 1" in result.stdout and "[1] REPLICAS 1" in result.stdout  # the default strategy
+    assert NOTICE in result.stdout and "[1] kerasdist: multiworker trains strategy-free" not in result.stdout
+    assert max_diff(w0, w1) == 0.0 and max_diff(w0, one) <= 1e-5
+    assert max_diff(w0, _initial()) > 1e-3  # training moved the weights: the comparison can fail
+    for key in ("loss", "mae"):  # the loss in the gradients' message, mae's state summed: the global batch's
+        assert abs(logs[key] - single_logs[key]) <= 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_rank_zeros_weights_and_optimizer_state_reach_every_rank():
+    import keras
+
+    from kerasdist_plugins.multiworker import ring as tcp_ring
+    from kerasdist_plugins.multiworker.strategy_free import broadcast_state
+
+    listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [address for _, address in listeners]
+    rings = [None, None]
+
+    def connect(rank):
+        rings[rank] = tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, timeout=30, secret=b"t")
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    models = []
+    for seed in (1, 2):  # different initial weights and optimizer state on each rank
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+        model.fit(np.random.rand(8, 3), np.random.rand(8, 2), epochs=seed, verbose=0)
+        models.append(model)
+    expected = [v.numpy() for v in models[0].weights + models[0].optimizer.variables]
+    assert max_diff(expected, [v.numpy() for v in models[1].weights + models[1].optimizer.variables]) > 1e-3
+    try:
+        threads = [threading.Thread(target=broadcast_state, args=(models[r], rings[r])) for r in range(2)]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+    finally:
+        [ring.close() for ring in rings if ring is not None]
+    for model in models:
+        got = [v.numpy() for v in model.weights + model.optimizer.variables]
+        assert max_diff(expected, got) == 0.0
+    assert int(models[1].optimizer.iterations.numpy()) == int(models[0].optimizer.iterations.numpy())
+
+
+def test_a_bad_strategy_free_setting_names_the_valid_ones():
+    import kerasdist
+    from kerasdist_plugins.multiworker.strategy_free import setting
+
+    assert setting({}) == "auto" and setting({"KERASDIST_STRATEGY_FREE": " ON"}) == "on"
+    with pytest.raises(kerasdist.KerasdistError, match=r"KERASDIST_STRATEGY_FREE='yes' is not valid; choose auto"):
+        setting({"KERASDIST_STRATEGY_FREE": "yes"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy_free", ["auto", "off"])
+def test_jit_compile_true_on_cpu_workers_is_an_error_naming_the_fix(tmp_path, strategy_free):
+    """Neither step can run XLA across CPU workers (the ring cannot be called from XLA; TensorFlow's XLA has no CPU
+    collectives: "Collectives are not yet implemented for CPU devices when compiling with XLA"): compile says so
+    in every worker, before any step."""
+    failed = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", WORKER, "--jit-compile", "--epochs", "1",
+                  "--out", str(tmp_path)], timeout=150, check=False, env=child_env(KERASDIST_STRATEGY_FREE=strategy_free))
+    assert failed.returncode != 0, failed.stdout[-3000:]
+    for rank in (0, 1):
+        assert any(line.startswith(f"[{rank}] ") and "KerasdistError: distribute='multiworker' on CPU workers cannot "
+                   "train with jit_compile=True" in line for line in failed.stdout.splitlines()), failed.stdout[-3000:]
+    assert "Pass jit_compile=False or 'auto'" in failed.stdout and "EPOCH_BEGIN" not in failed.stdout
+
+
+NOTICE = "[0] kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("column", ["float32", "mixed_float16", "accumulation_2", "small_last_batch"])
+def test_multiworker_mirrored_strategy_step_still_equals_plain_keras(column, tmp_path):
+    """test_equivalence's multiworker cells train strategy-free (the default); with KERASDIST_STRATEGY_FREE=off
+    MultiWorkerMirroredStrategy's step (which sync_batch_norm, shard_policy file/off and TensorFlow's
+    collectives still use) must equal plain Keras too."""
+    from tests import test_equivalence as eq
+
+    out = str(tmp_path / f"mwms-{column}.npz")
+    cmd, _ = eq.command("multiworker", out, eq.COLUMNS[column][0])
+    result = run(cmd, timeout=240, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, KERASDIST_STRATEGY_FREE="off"), check=False)
+    assert "[0] REPLICAS 2" in result.stdout, result.stdout[-3000:]
+    steps, theirs = eq.saved_result("multiworker", column, out, result)
+    reference_steps, reference = eq.train(None, column, str(tmp_path))
+    difference, tol = eq.max_difference(reference, theirs), eq.tolerance(column, reference)
+    print(f"MWMS {column}: steps {steps} (plain {reference_steps}), max |dw| {difference:.3g} (tol {tol:.3g})")
+    assert steps == reference_steps and difference <= tol
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_loss_scale_overflow_on_one_worker_is_skipped_by_every_worker_strategy_free(tmp_path):
+    from tests import test_equivalence as eq
+
+    result = eq.overflow_run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", "--communication", "tcp",
+                              eq.OVERFLOW, "multiworker", str(tmp_path)], tmp_path, KERASDIST_STRATEGY_FREE="on",
+                             OVERFLOW_SHARD_POLICY="auto")  # off keeps the strategy
+    assert NOTICE in result.stdout, result.stdout[-3000:]
