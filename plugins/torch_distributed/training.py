@@ -230,15 +230,15 @@ def _all_reduced_metrics(model, original, state):
             flat = torch.cat([v.value.detach().reshape(-1).double() for v in rest])
             dist.all_reduce(flat)
             sums += _unflatten(flat, [v.value.shape for v in rest])
-        with torch.no_grad():
-            for variable, value, total in zip(variables, local, sums):
-                variable.assign(total.to(value.dtype))
+        with torch.no_grad():  # copied in place, as Keras's torch Variable.assign does (without its checks)
+            for variable, total in zip(variables, sums):
+                variable.value.copy_(total)
             try:
                 result = keras.tree.map_structure(
                     lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, original())
             finally:
                 for variable, value in zip(variables, local):
-                    variable.assign(value)
+                    variable.value.copy_(value)
         return result
 
     return get_metrics_result
