@@ -242,7 +242,7 @@ def test_each_ranks_rows_reach_keras_as_tensors_on_the_arrays_memory():
     Keras as torch tensors on the arrays' memory instead; a read-only array stays NumPy (Keras copies it)."""
     code = ("import numpy as np\nfrom kerasdist_plugins.torch_distributed import data\n"
             "x = np.arange(40, dtype='float32').reshape(10, 4)\ny = np.arange(10)\n"
-            "x_part, y_part = data.from_arrays(x, y, None, 4, False, 1, 2)[1]  # batch 1 = rows 4..7, rank 1: 6..7\n"
+            "x_part, y_part = data.from_arrays(x, y, None, 4, False, 1, 2)[1]  # batch 1: rows 4..7; rank 1: 6, 7\n"
             "print('SHARED', type(x_part).__name__, x_part.data_ptr() == x[6:].ctypes.data, y_part.tolist())\n"
             "y.flags.writeable = False\n"
             "print('READ-ONLY', type(data.from_arrays(x, y, None, 4, False, 1, 2)[1][1]).__name__)")
