@@ -26,8 +26,8 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replica
                                variable_layout, weight_replicas_by_batch_share)
 from . import process_state
 import kerasdist.private_backups as private_backups  # not "from . import": kerasdist.__getattr__ looks up plugins
-from ._keras_internals.torch import (compiled_metrics, keras_step_order_is_known, keras_wraps_ddp,
-                                     synchronize_torch_batch_norm)
+from ._keras_internals.torch import compiled_metrics, keras_wraps_ddp, synchronize_torch_batch_norm
+from ._keras_internals.training import keras_step_order_is_known
 from ._keras_internals.torch_sharding import replace_variable_tensor
 from .backend import keras_backend
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices

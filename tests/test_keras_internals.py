@@ -13,6 +13,7 @@ import tensorflow as tf
 from kerasdist import KerasdistError
 from kerasdist import _keras_internals as internals
 from kerasdist._keras_internals import multiworker_fit, strategy_binding, versions
+from kerasdist._keras_internals.training import keras_step_order_is_known
 
 
 def test_running_keras_is_a_checked_version():
@@ -700,6 +701,33 @@ def test_mirrored_strategy_collective_keys_are_rebuilt_from_the_base_until_first
     assert isinstance(reduce_to_one.extended._cross_device_ops, tf.distribute.ReductionToOneDevice)
 
 
+def test_tensorflow_train_step_order_the_strategy_free_multiworker_step_relies_on():
+    """training.keras_step_order_is_known on TensorFlow (multiworker's strategy-free step): Keras's own step
+    computes the loss, updates the loss tracker (weighted by the rows of x), then ``apply_gradients`` (which calls
+    ``apply``, wrapped per instance), then ``compute_metrics``; a replaced ``train_step`` is not Keras's own."""
+    import inspect
+
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    step = inspect.getsource(TensorFlowTrainer.train_step)
+    order = [step.index(piece) for piece in ("loss = self._compute_loss(", "self._loss_tracker.update_state(",
+                                             "self.optimizer.apply_gradients(", "return self.compute_metrics(")]
+    assert order == sorted(order), order
+    assert "self.apply(grads, trainable_variables)" in inspect.getsource(BaseOptimizer.apply_gradients)
+    compiled = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    compiled.compile(loss="mse", metrics=["mae"])
+    assert keras_step_order_is_known(compiled)
+
+    class OwnStep(keras.Sequential):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    assert not keras_step_order_is_known(OwnStep([keras.Input((3,)), keras.layers.Dense(1)]))
+    compiled.train_step = compiled.train_step  # replaced on the instance
+    assert not keras_step_order_is_known(compiled)
+
+
 def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     """_keras_internals/torch.py and plugins/torch_distributed (in a torch process): the torch trainer's step
     scales the loss through ``optimizer.scale_loss`` and updates through ``optimizer.apply`` (both wrapped per
@@ -712,8 +740,8 @@ def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     code = """
 import inspect, numpy as np, torch, keras
 from keras.src.backend.torch import trainer
-from kerasdist._keras_internals.torch import (compiled_metrics, keras_step_order_is_known, keras_wraps_ddp,
-                                              synchronize_torch_batch_norm)
+from kerasdist._keras_internals.torch import compiled_metrics, keras_wraps_ddp, synchronize_torch_batch_norm
+from kerasdist._keras_internals.training import keras_step_order_is_known
 from keras.src.trainers.trainer import Trainer
 step = inspect.getsource(trainer.TorchTrainer.train_step)
 assert "self.optimizer.scale_loss(loss)" in step and "self.optimizer.apply(gradients, trainable_weights)" in step

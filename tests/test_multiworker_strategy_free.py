@@ -4,13 +4,16 @@ message per step; and KERASDIST_STRATEGY_FREE=off, MultiWorkerMirroredStrategy's
 127.0.0.1 (kerasdist launch, timeouts); the broadcast of rank 0's state over a real two-rank ring in threads."""
 
 import json
+import os
 import threading
 
 import numpy as np
 import pytest
 
-from tests.helpers import child_env, python, run
+from tests.helpers import ROOT, child_env, python, run
 from tests.test_multiworker import KERASDIST, WORKER, _initial, max_diff, weights
+
+CUSTOM_STEP = os.path.join(ROOT, "tests", "workers", "mw_custom_step.py")
 
 
 def _final_logs(output):
@@ -38,6 +41,30 @@ def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path,
     assert max_diff(w0, _initial()) > 1e-3  # training moved the weights: the comparison can fail
     for key in ("loss", "mae"):  # the loss in the gradients' message, mae's state summed: the global batch's
         assert abs(logs[key] - single_logs[key]) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variant", ["first", "lower", "two"])
+def test_custom_train_steps_equal_one_process_weights_and_logs(variant):
+    """keras.io's custom ``train_step`` models (compute_loss or the model's own loss function and trackers; a
+    second optimizer the model holds): weights and every epoch's logged loss equal plain Keras on the global
+    batch. Before: "None values not supported" (no compute_loss), each worker logging its own loss, a second
+    optimizer's gradients never summed."""
+    command = [CUSTOM_STEP, variant, "multiworker"]
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", *command], timeout=200)
+    single = _custom_result(run(python(CUSTOM_STEP, variant, "none"), timeout=120).stdout, "")
+    for rank in (0, 1):
+        got = _custom_result(result.stdout, f"[{rank}] ")
+        print(f"rank {rank}: max |dw| {max_diff([got['w']], [single['w']]):.3g}, loss {got['loss']} vs "
+              f"{single['loss']}")
+        assert max_diff([got["w"]], [single["w"]]) <= 1e-5
+        np.testing.assert_allclose(got["loss"], single["loss"], atol=1e-5)
+
+
+def _custom_result(output, prefix):
+    line = next(line for line in output.splitlines() if line.startswith(prefix + "RESULT "))
+    return {k: np.asarray(v) for k, v in json.loads(line[len(prefix + "RESULT "):]).items()}
 
 
 @pytest.mark.timeout(60)

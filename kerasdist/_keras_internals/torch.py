@@ -5,8 +5,8 @@
   must not all-reduce gradients or metrics a second time.
 - ``BatchNormalization._moments`` (private, replaced per instance) for batch statistics over every rank.
 - ``Layer._flatten_layers`` (private) to find nested layers.
-- The order of Keras's own torch ``train_step``: the loss trackers are updated before ``optimizer.apply``,
-  the compiled metrics (``Trainer._compile_metrics``, private) after it, in ``compute_metrics``.
+- The order of Keras's own torch ``train_step`` (``training.keras_step_order_is_known``): the loss trackers are
+  updated before ``optimizer.apply``, the compiled metrics (``Trainer._compile_metrics``, private) after it.
 
 torch is imported only inside the functions (``import kerasdist`` never imports it).
 """
@@ -36,18 +36,6 @@ def keras_wraps_ddp():
         return "DistributedDataParallel" in inspect.getsource(trainer)
     except (ImportError, OSError, TypeError):
         return False
-
-
-def keras_step_order_is_known(model):
-    """Whether ``model`` trains with Keras's own torch ``train_step`` and ``compute_metrics`` (neither
-    replaced by its class or on the instance): then the loss trackers are updated before
-    ``optimizer.apply`` and only the compiled metrics after it. Ask before wrapping the instance's step."""
-    from keras.src.backend.torch.trainer import TorchTrainer
-    from keras.src.trainers.trainer import Trainer
-
-    own = vars(model)
-    return (type(model).train_step is TorchTrainer.train_step and "train_step" not in own
-            and type(model).compute_metrics is Trainer.compute_metrics and "compute_metrics" not in own)
 
 
 def compiled_metrics(model):

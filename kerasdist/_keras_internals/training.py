@@ -3,6 +3,31 @@
 import inspect
 
 
+# -- the order of Keras's own train_step (torch_distributed, multiworker's strategy-free step) ---------------
+
+_BACKEND_TRAINERS = {"tensorflow": ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
+                     "torch": ("keras.src.backend.torch.trainer", "TorchTrainer")}
+
+
+def keras_step_order_is_known(model):
+    """Whether ``model`` trains with the backend's own Keras ``train_step`` and ``compute_metrics`` (TensorFlow or
+    torch; neither replaced by its class or on the instance): then ``compute_loss`` runs once, the loss tracker
+    is updated before ``optimizer.apply`` (TensorFlow: through ``apply_gradients``) and only the compiled metrics
+    after it. Ask before wrapping the instance's step."""
+    import importlib
+
+    import keras
+    from keras.src.trainers.trainer import Trainer
+
+    module, name = _BACKEND_TRAINERS.get(keras.backend.backend(), (None, None))
+    if module is None:
+        return False
+    backend_trainer = getattr(importlib.import_module(module), name)
+    own = vars(model)
+    return (type(model).train_step is backend_trainer.train_step and "train_step" not in own
+            and type(model).compute_metrics is Trainer.compute_metrics and "compute_metrics" not in own)
+
+
 # -- keras.distribution on JAX (kerasdist_plugins.keras_distribution) --------------------------------
 
 def lay_out_variables(variables, layout_of):

@@ -16,7 +16,7 @@ import weakref
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import arrays_as_dataset, is_dataset, split_batches
+from kerasdist.plugin_tools import arrays_as_dataset, is_dataset, keras_step_order_is_known, split_batches
 
 from .options import STRATEGY_FREE_VAR
 
@@ -36,10 +36,14 @@ def setting(environ):
 
 
 class _Exchange:
-    """The rows and loss of the step being traced, recorded by ``compute_loss``, used by ``apply``."""
+    """What one model's step exchanges over the ring: the rows of the step being traced (its ``train_step``
+    records them), Keras's own step's loss (its ``compute_loss`` records it; it travels with the gradients),
+    and the optimizers already summing over the ring."""
 
-    def __init__(self, ring):
-        self.ring, self.rows, self.loss = ring, None, None
+    def __init__(self, ring, own_step):
+        self.ring, self.own_step = ring, own_step
+        self.rows = self.loss = None
+        self.optimizers = weakref.WeakSet()
 
 
 def supports(spec):
@@ -53,47 +57,59 @@ def check_compile(compile_kwargs):
 
 
 def install(model, ring):
-    """Make ``model``'s optimizer sum gradients, rows and loss over ``ring`` (idempotent per model)."""
+    """Make ``model``'s steps and every optimizer it holds (``model.optimizer``, and others a custom
+    ``train_step`` applies, a GAN's) sum over ``ring``. Idempotent per model; a recompiled model's new
+    optimizer is wrapped at its first ``fit``."""
     exchange = _exchanges.get(model)
-    if exchange is not None:
-        exchange.ring = ring
-        return
-    exchange = _exchanges[model] = _Exchange(ring)
+    if exchange is None:
+        exchange = _exchanges[model] = _Exchange(ring, keras_step_order_is_known(model))  # before wrapping
+        if exchange.own_step:
+            _wrap_compute_loss(model, exchange)
+        _wrap_steps(model, exchange)
+    exchange.ring = ring
+    for optimizer in _optimizers_of(model):
+        if optimizer not in exchange.optimizers:
+            exchange.optimizers.add(optimizer)
+            _wrap_apply(model, optimizer, exchange)
+
+
+def _optimizers_of(model):
+    found = [model.optimizer] if model.optimizer is not None else []
+    for value in vars(model).values():  # the outermost only: a LossScaleOptimizer sums before its inf/NaN check
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+    return found
+
+
+def _wrap_compute_loss(model, exchange):
     keras_compute_loss = model.compute_loss
 
     def compute_loss(*args, **kwargs):
-        import tensorflow as tf
-
-        y_pred = kwargs.get("y_pred", args[2] if len(args) > 2 else None)
         loss = keras_compute_loss(*args, **kwargs)
-        leaf = next(t for t in keras.tree.flatten(y_pred) if t is not None)
-        exchange.rows = tf.cast(tf.shape(leaf)[0], tf.float32)
-        exchange.loss = tf.cast(loss, tf.float32)
+        exchange.loss = keras.ops.cast(loss, "float32")
         return loss
 
     object.__setattr__(model, "compute_loss", compute_loss)
-    _wrap_apply(model, exchange)
-    _wrap_steps(model, exchange)
 
 
-def _wrap_apply(model, exchange):
-    optimizer = model.optimizer  # the outermost (a LossScaleOptimizer sums before its inf/NaN check)
+def _wrap_apply(model, optimizer, exchange):
     keras_apply = optimizer.apply
 
     def apply(grads, trainable_variables=None):
         import tensorflow as tf
 
-        grads = list(grads)
-        if any(isinstance(g, tf.IndexedSlices) for g in grads):
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        rows, loss = exchange.rows, exchange.loss
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        rows = exchange.rows if exchange.rows is not None else tf.constant(1.0)  # outside fit: a plain mean
+        loss, exchange.loss = (exchange.loss, None) if optimizer is model.optimizer else (None, exchange.loss)
         dense = [i for i, g in enumerate(grads) if g is not None]
-        payload = [grads[i] * tf.cast(rows, grads[i].dtype) for i in dense] + [tf.stack([rows, loss * rows])]
-        sums = exchange.ring.sum_tensors(payload)
-        total_rows, loss_sum = sums[-1][0], sums[-1][1]
+        totals = [rows] if loss is None else [rows, loss * rows]
+        sums = exchange.ring.sum_tensors([grads[i] * tf.cast(rows, grads[i].dtype) for i in dense]
+                                         + [tf.stack(totals)])
+        total_rows = sums[-1][0]
         for i, total in zip(dense, sums[:-1]):
             grads[i] = tf.math.divide_no_nan(total, tf.cast(total_rows, total.dtype))
-        _make_loss_log_global(model, loss * rows, rows, loss_sum, total_rows)
+        if loss is not None:  # Keras's own step: its loss tracker took this worker's loss, add the others'
+            _make_loss_log_global(model, loss * rows, rows, sums[-1][1], total_rows)
         return keras_apply(grads, trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)
@@ -109,13 +125,16 @@ def _make_loss_log_global(model, local_sum, local_rows, global_sum, global_rows)
 
 def _wrap_steps(model, exchange):
     """Metric states summed over the workers after each step (what MultiWorkerMirroredStrategy's sum-on-read
-    metric variables give): each variable's change in this step, summed over the ring in one message per
-    dtype, so step and epoch logs are the global batch's. In training the ``loss`` tracker took the
-    gradients' message already; a model without other metrics sends nothing more."""
-    for name, skip_loss in (("train_step", True), ("test_step", False)):
+    metric variables give): each variable's change in this step, summed over the ring in one message, so step
+    and epoch logs are the global batch's. Keras's own train step's ``loss`` tracker took the gradients'
+    message already (a model without other metrics sends nothing more); a custom step's metrics, its loss
+    tracker too, are all summed here. The train step also records its rows for the gradients' weighting."""
+    for name in ("train_step", "test_step"):
         keras_step = getattr(model, name)
+        skip_loss = name == "train_step" and exchange.own_step
 
         def step(data, keras_step=keras_step, skip_loss=skip_loss):
+            exchange.rows, exchange.loss = _rows_of(data), None
             variables = _metric_variables(model, skip_loss)
             if not variables:
                 return keras_step(data)
@@ -124,9 +143,30 @@ def _wrap_steps(model, exchange):
             sums = exchange.ring.sum_tensors([v.value - b for v, b in zip(variables, before)])
             for v, b, total in zip(variables, before, sums):
                 v.assign(b + total)
-            return dict(logs, **model.get_metrics_result()) if isinstance(logs, dict) else logs
+            if isinstance(logs, dict) and exchange.own_step:
+                return dict(logs, **model.get_metrics_result())
+            return _logs_after_sum(model, logs)
 
         object.__setattr__(model, name, step)
+
+
+def _rows_of(data):
+    import tensorflow as tf
+
+    try:
+        x = keras.utils.unpack_x_y_sample_weight(data)[0]
+    except ValueError:  # a custom step's own structure
+        x = data
+    leaf = next((t for t in keras.tree.flatten(x) if t is not None), None)
+    return tf.cast(tf.shape(leaf)[0], tf.float32) if leaf is not None else tf.constant(1.0)
+
+
+def _logs_after_sum(model, logs):
+    """A custom step's logs, read again from its metrics where they name one (their states are now summed)."""
+    if not isinstance(logs, dict):
+        return logs
+    by_name = {m.name: m for m in model.metrics}
+    return {k: by_name[k].result() if k in by_name else v for k, v in logs.items()}
 
 
 def _metric_variables(model, skip_loss):

@@ -1,0 +1,96 @@
+"""Custom ``train_step`` models from keras.io "Customizing what happens in fit() with TensorFlow", compiled with
+one word: ``first`` (its first CustomModel: compute_loss, optimizer.apply, every metric updated by hand), ``lower``
+(its lower-level one: own loss function and trackers, compile with an optimizer only), ``two`` (a second optimizer
+held by the model updates the last layer, as a GAN's). Prints RESULT {"w": all weights, "loss": the history}.
+
+    python mw_custom_step.py first|lower|two multiworker|none
+"""
+import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
+
+import json
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+keras.utils.set_random_seed(0)
+variant = sys.argv[1]
+distribute = sys.argv[2] if sys.argv[2] != "none" else None
+
+
+class CustomModel(keras.Model):
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        trainable_vars = self.trainable_variables
+        gradients = tape.gradient(loss, trainable_vars)
+        self.optimizer.apply(gradients, trainable_vars)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class LowerLevel(keras.Model):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+        self.loss_fn = keras.losses.MeanSquaredError()
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_fn(y, y_pred)
+        trainable_vars = self.trainable_variables
+        gradients = tape.gradient(loss, trainable_vars)
+        self.optimizer.apply(gradients, trainable_vars)
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "mae": self.mae_metric.result()}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+class TwoOptimizers(keras.Model):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last_optimizer = keras.optimizers.SGD(0.05)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        first, last = self.layers[1].trainable_weights, self.layers[2].trainable_weights
+        gradients = tape.gradient(loss, first + last)
+        self.optimizer.apply(gradients[:len(first)], first)
+        self.last_optimizer.apply(gradients[len(first):], last)
+        return {"loss": loss}
+
+
+inputs = keras.Input(shape=(32,))
+hidden = keras.layers.Dense(4, activation="tanh")(inputs) if variant == "two" else inputs
+outputs = keras.layers.Dense(1)(hidden)
+if variant == "first":
+    model = CustomModel(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], distribute=distribute)
+elif variant == "two":
+    model = TwoOptimizers(inputs, outputs)
+    model.compile(optimizer="sgd", loss="mse", distribute=distribute)
+else:
+    model = LowerLevel(inputs, outputs)
+    model.compile(optimizer="sgd", distribute=distribute)
+rng = np.random.default_rng(1)
+x = rng.random((1000, 32)).astype("float32")
+y = rng.random((1000, 1)).astype("float32")
+h = model.fit(x, y, epochs=3, batch_size=64, shuffle=False, verbose=0)
+w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+print("RESULT", json.dumps({"w": w.tolist(), "loss": h.history["loss"]}), flush=True)
