@@ -8,8 +8,10 @@ time and examples/s (global examples per second), then the ratios:
 
 - scaling: 2 workers with ``distribute="multiworker"`` vs 1 process (plain Keras fit),
   with the default (communication "auto": the TCP ring or TensorFlow's collectives, whichever its
-  probe at the first fit measures faster; the choice and the probe's medians are printed) and with
-  TensorFlow's gRPC collectives (``--full``: also the ring without the probe, and gradient packing);
+  probe at the first compile measures faster; on the ring each worker trains strategy-free, one ring message a
+  step; the choice and the probe's medians are printed), with TensorFlow's gRPC collectives, and with
+  ``KERASDIST_STRATEGY_FREE=off`` (MultiWorkerMirroredStrategy's step over the ring: the default before issue 22)
+  (``--full``: also the ring without the probe, and gradient packing);
 - overhead: ``distribute="multiworker"`` step time vs a hand-written
   MultiWorkerMirroredStrategy custom loop (tf.function + strategy.run) on the same model.
 """
@@ -179,6 +181,8 @@ CONFIGS = [  # (name, role, workers, environment)
     ("2 workers, multiworker (default: auto, measured)", "keras", 2, {}),
     ("2 workers, hand-written MWMS loop (TF defaults)", "custom", 2, {}),
     ("2 workers, multiworker, communication=ring (TF gRPC)", "keras", 2, {"KERASDIST_COMMUNICATION": "ring"}),
+    ("2 workers, multiworker, KERASDIST_STRATEGY_FREE=off (MWMS step)", "keras", 2,
+     {"KERASDIST_STRATEGY_FREE": "off"}),  # the default before issue 22's strategy-free step
 ]
 FULL_CONFIGS = [
     ("2 workers, multiworker, communication=tcp (ring, no probe)", "keras", 2, {"KERASDIST_COMMUNICATION": "tcp"}),
