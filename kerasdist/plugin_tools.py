@@ -32,6 +32,7 @@ from ._keras_internals.torch_sharding import replace_variable_tensor
 from .backend import keras_backend
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
+from .process_group import gather_across_processes, process_group_size, set_process_group
 from .variables import unique_variables
 
 __all__ = [
@@ -41,6 +42,8 @@ __all__ = [
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # process-wide state (one home, one reset): process_state.slot / on_reset / reset
     "process_state",
+    # processes training as one model without a strategy between them (multiworker's strategy-free step)
+    "set_process_group", "process_group_size", "gather_across_processes",
     # Keras / TensorFlow adapters
     "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
     "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",

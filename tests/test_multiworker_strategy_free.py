@@ -162,3 +162,54 @@ def test_a_loss_scale_overflow_on_one_worker_is_skipped_by_every_worker_strategy
                               eq.OVERFLOW, "multiworker", str(tmp_path)], tmp_path, KERASDIST_STRATEGY_FREE="on",
                              OVERFLOW_SHARD_POLICY="auto")  # off keeps the strategy
     assert NOTICE in result.stdout, result.stdout[-3000:]
+
+
+def test_a_process_group_needs_a_size_and_a_rank_in_it():
+    import kerasdist
+    from kerasdist.plugin_tools import process_group_size, set_process_group
+
+    for size, rank in ((0, 0), (2, 2), (2, -1), ("2", 0)):
+        with pytest.raises(kerasdist.KerasdistError, match=r"set_process_group: size=.*give an int size >= 1"):
+            set_process_group(size, rank, None)
+    assert process_group_size() == 1
+
+
+def test_gather_across_processes_stacks_each_ranks_value_and_sums_their_gradients():
+    """Two ranks in threads, each with a stand-in for the ring's sum (a real two-party barrier and sum): the
+    forward gives both values in rank order, the backward each rank the sum of both ranks' gradients for its
+    own value (tf.distribute's all_gather's gradient)."""
+    import tensorflow as tf
+
+    from kerasdist import process_group
+
+    barrier, posted, results = threading.Barrier(2, timeout=20), [None, None], [None, None]
+
+    def sums_for(rank):
+        def sum_tensors(tensors):
+            posted[rank] = tensors[0].numpy()
+            barrier.wait()
+            total = posted[0] + posted[1]
+            barrier.wait()
+            return [tf.constant(total)]
+        return sum_tensors
+
+    def each(rank):
+        group_of_thread[threading.get_ident()] = {"size": 2, "rank": rank, "sum_tensors": sums_for(rank)}
+        x = tf.Variable(3.0 + rank)
+        with tf.GradientTape() as tape:
+            gathered = process_group.gather_across_processes(x * 1.0)
+            loss = (rank + 1.0) * gathered[0] + 10.0 * gathered[1]  # each rank weighs both slots its own way
+        results[rank] = (gathered.numpy().tolist(), float(tape.gradient(loss, x)))
+
+    group_of_thread = {}
+    real = process_group._group
+    process_group._group = lambda: group_of_thread[threading.get_ident()]
+    try:
+        threads = [threading.Thread(target=each, args=(r,)) for r in range(2)]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+    finally:
+        process_group._group = real
+    assert results[0][0] == results[1][0] == [3.0, 4.0]
+    assert results[0][1] == 1.0 + 2.0  # slot 0's gradients: rank 0 weighs it 1, rank 1 weighs it 2
+    assert results[1][1] == 10.0 + 10.0  # slot 1's: 10 on both ranks

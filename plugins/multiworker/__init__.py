@@ -13,7 +13,7 @@ import sys
 
 import kerasdist
 from kerasdist import ClusterConfigError, KerasdistError
-from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups
+from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups, set_process_group
 
 from . import strategy_free
 from .gradients import agree_on_ring, gradient_transport, use_ring
@@ -152,6 +152,8 @@ def _trains_strategy_free(spec):
         state.said_strategy_free = True
         print("kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on): plain Keras in each "
               "worker, gradients over the TCP ring", file=sys.stderr, flush=True)
+    if state.ring:  # other plugins (quantize's ranges) reduce across the workers through it
+        set_process_group(state.ring.size, state.ring.rank, state.ring.sum_tensors)
     return bool(state.ring)
 
 

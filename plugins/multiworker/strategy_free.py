@@ -42,7 +42,7 @@ class _Exchange:
 
     def __init__(self, ring, own_step):
         self.ring, self.own_step = ring, own_step
-        self.rows = self.loss = None
+        self.rows = self.loss = self.tracker_before = None
         self.optimizers = weakref.WeakSet()
 
 
@@ -108,19 +108,22 @@ def _wrap_apply(model, optimizer, exchange):
         total_rows = sums[-1][0]
         for i, total in zip(dense, sums[:-1]):
             grads[i] = tf.math.divide_no_nan(total, tf.cast(total_rows, total.dtype))
-        if loss is not None:  # Keras's own step: its loss tracker took this worker's loss, add the others'
-            _make_loss_log_global(model, loss * rows, rows, sums[-1][1], total_rows)
+        if loss is not None and exchange.tracker_before is not None:  # Keras's own step: the global batch's loss
+            tracker, total, count = exchange.tracker_before
+            tracker.total.assign(total + keras.ops.cast(sums[-1][1], tracker.total.dtype))
+            tracker.count.assign(count + keras.ops.cast(total_rows, tracker.count.dtype))
         return keras_apply(grads, trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)
 
 
-def _make_loss_log_global(model, local_sum, local_rows, global_sum, global_rows):
-    """The ``loss`` tracker (a Mean over the epoch, weighted by rows) took this worker's loss: add the others'."""
+def _loss_tracker_before(model):
+    """Keras's ``loss`` tracker (a Mean over the epoch, weighted by rows) and its state before this step: apply sets
+    it to that plus the global batch's sums, the same bits on every worker."""
     tracker = next((m for m in model.metrics if m.name == "loss"), None)
-    if tracker is not None and hasattr(tracker, "total") and hasattr(tracker, "count"):
-        tracker.total.assign_add(keras.ops.cast(global_sum - local_sum, tracker.total.dtype))
-        tracker.count.assign_add(keras.ops.cast(global_rows - local_rows, tracker.count.dtype))
+    if tracker is None or not (hasattr(tracker, "total") and hasattr(tracker, "count")):
+        return None
+    return tracker, tracker.total.value + 0, tracker.count.value + 0
 
 
 def _wrap_steps(model, exchange):
@@ -135,6 +138,7 @@ def _wrap_steps(model, exchange):
 
         def step(data, keras_step=keras_step, skip_loss=skip_loss):
             exchange.rows, exchange.loss = _rows_of(data), None
+            exchange.tracker_before = _loss_tracker_before(model) if skip_loss else None
             variables = _metric_variables(model, skip_loss)
             if not variables:
                 return keras_step(data)

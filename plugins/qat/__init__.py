@@ -64,12 +64,14 @@ def _check_replicas_share_steps(strategy, where):
     would each learn their own ranges, so they are refused."""
     import tensorflow as tf
 
+    from kerasdist.plugin_tools import process_group_size
+
     cluster = kerasdist.detect_cluster()
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy) or cluster.has_parameter_servers:
         raise kerasdist.KerasdistError(
             f"{where}: quantization-aware training needs synchronous replicas; under a parameter-server cluster "
             "each worker would learn its own int8 ranges. Use 'mirrored' or 'multiworker'.")
-    if cluster.num_workers > 1 and strategy.num_replicas_in_sync < cluster.num_workers:
+    if cluster.num_workers > 1 and strategy.num_replicas_in_sync * process_group_size() < cluster.num_workers:
         raise kerasdist.KerasdistError(
             f"{where}: this is one of {cluster.num_workers} processes ({cluster.source}) that are not replicas of "
             f"one tf.distribute strategy (it has {strategy.num_replicas_in_sync}), so each would learn its own "

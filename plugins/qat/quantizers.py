@@ -66,10 +66,15 @@ def fake_quant_weights(variable, per_channel, depthwise=False, bits=8):
 # -- activations: per-tensor, asymmetric, moving-average ranges ------------------------------
 
 def _across_replicas(value, reduce):
-    """``reduce`` of ``value`` over every replica in sync (in replica context), else ``value``."""
+    """``reduce`` of ``value`` over every replica in sync (in replica context), or over the processes training as
+    one without a strategy (multiworker's strategy-free step), else ``value``."""
     import tensorflow as tf
 
-    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+    from kerasdist.plugin_tools import gather_across_processes, process_group_size
+
+    if not tf.distribute.has_strategy():
+        return reduce(gather_across_processes(value)) if process_group_size() > 1 else value
+    if tf.distribute.in_cross_replica_context():
         return value
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
