@@ -202,18 +202,57 @@ def arrays_as_dataset(call_kwargs, seed=None, method="fit"):
 
 
 def split_batches(dataset, rank, size):
-    """Rank ``rank``'s part of every batch of ``dataset``: rows ``[n*rank//size, n*(rank+1)//size)``
-    of a batch of ``n``. Each batch is split into ``size`` parts of sizes differing by at most one,
-    so every rank runs one step per batch and the ranks' steps together cover the whole batch."""
-    import tensorflow as tf
+    """Rank ``rank``'s part of every batch of ``dataset`` (a ``tf.data.Dataset``, a ``keras.utils.PyDataset`` or a
+    generator of batches): rows ``[n*rank//size, n*(rank+1)//size)`` of a batch of ``n``. Each batch is split
+    into ``size`` parts of sizes differing by at most one, so every rank runs one step per batch and the ranks'
+    steps together cover the whole batch (every rank must see the same batches in the same order)."""
+    if is_dataset(dataset):
+        import tensorflow as tf
 
-    def part(*element):
-        structure = element[0] if len(element) == 1 else element
-        rows = tf.shape(tf.nest.flatten(structure)[0])[0]
-        start, stop = rows * rank // size, rows * (rank + 1) // size
-        return tf.nest.map_structure(lambda t: t[start:stop], structure)
+        def part(*element):
+            structure = element[0] if len(element) == 1 else element
+            rows = tf.shape(tf.nest.flatten(structure)[0])[0]
+            start, stop = rows * rank // size, rows * (rank + 1) // size
+            return tf.nest.map_structure(lambda t: t[start:stop], structure)
 
-    return dataset.map(part)
+        return dataset.map(part)
+    import keras
+
+    def rows_of(batch):
+        first = next(leaf for leaf in keras.tree.flatten(batch) if leaf is not None)
+        start, stop = len(first) * rank // size, len(first) * (rank + 1) // size
+        return keras.tree.map_structure(lambda t: None if t is None else t[start:stop], batch)
+
+    if isinstance(dataset, keras.utils.PyDataset):
+        return _part_of_each_batch(dataset, rows_of)
+    return (rows_of(batch) for batch in dataset)
+
+
+def _part_of_each_batch(dataset, part):
+    import keras
+
+    class PartOfEachBatch(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                             max_queue_size=dataset.max_queue_size)
+
+        def __len__(self):
+            return len(dataset)
+
+        @property
+        def num_batches(self):
+            return dataset.num_batches
+
+        def __getitem__(self, index):
+            return part(dataset[index])
+
+        def on_epoch_begin(self):
+            dataset.on_epoch_begin()
+
+        def on_epoch_end(self):
+            dataset.on_epoch_end()
+
+    return PartOfEachBatch()
 
 
 def _all_arrays(value, allow_none=False):

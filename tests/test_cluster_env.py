@@ -176,10 +176,10 @@ def test_shard_policy_is_set_on_datasets(policy, expected):
     import tensorflow as tf
 
     dataset = tf.data.Dataset.range(8).batch(2)
-    out = multiworker.kerasdist_prepare_dataset(dataset, "fit", kerasdist.multiworker(shard_policy=policy))
+    out = multiworker.kerasdist_prepare_dataset(dataset, "tf.data", "fit", None, kerasdist.multiworker(shard_policy=policy))
     assert out.options().experimental_distribute.auto_shard_policy == getattr(
         tf.data.experimental.AutoShardPolicy, expected)
-    assert multiworker.kerasdist_prepare_dataset(dataset, "fit", kerasdist.multiworker()) is None
+    assert multiworker.kerasdist_prepare_dataset(dataset, "tf.data", "fit", None, kerasdist.multiworker()) is None
 
 
 @pytest.mark.parametrize("environ,chief", [

@@ -14,6 +14,7 @@ from tests.helpers import ROOT, child_env, python, run
 from tests.test_multiworker import KERASDIST, WORKER, _initial, max_diff, weights
 
 CUSTOM_STEP = os.path.join(ROOT, "tests", "workers", "mw_custom_step.py")
+INPUTS = os.path.join(ROOT, "tests", "workers", "mw_inputs.py")
 
 
 def _final_logs(output):
@@ -56,10 +57,30 @@ def test_custom_train_steps_equal_one_process_weights_and_logs(variant):
     single = _custom_result(run(python(CUSTOM_STEP, variant, "none"), timeout=120).stdout, "")
     for rank in (0, 1):
         got = _custom_result(result.stdout, f"[{rank}] ")
-        print(f"rank {rank}: max |dw| {max_diff([got['w']], [single['w']]):.3g}, loss {got['loss']} vs "
-              f"{single['loss']}")
-        assert max_diff([got["w"]], [single["w"]]) <= 1e-5
-        np.testing.assert_allclose(got["loss"], single["loss"], atol=1e-5)
+        print(f"rank {rank}: max |dw| {max_diff([got['w']], [single['w']]):.3g}, {got} vs {single}")
+        assert sorted(got) == sorted(single) and len(got) >= 2
+        for key in got:  # the weights, then every logged value of every epoch
+            np.testing.assert_allclose(got[key], single[key], atol=1e-5, err_msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share"])
+def test_other_inputs_and_losses_equal_one_process(case):
+    """A PyDataset and a generator of global batches are split per worker (before: every worker took whole
+    batches); a loss with reduction "sum" sums the workers' gradients (before: averaged, half the gradient); a
+    batch smaller than the workers (one share empty) with BatchNormalization stays finite (before: NaN weights)."""
+    result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", INPUTS, case, "multiworker"], timeout=200)
+    single = _custom_result(run(python(INPUTS, case, "none"), timeout=120).stdout, "")
+    if case == "py_dataset_shuffled":  # the workers share one seeded order (not one process's unseeded one)
+        single = _custom_result(result.stdout, "[1] ")
+    for rank in (0, 1):
+        got = _custom_result(result.stdout, f"[{rank}] ")
+        assert sorted(got) == sorted(single)
+        for key in got:
+            assert np.all(np.isfinite(got[key])), f"{case} {key} rank {rank}: {got[key]}"
+            if case != "empty_share":  # local BatchNormalization: per-worker batch moments, by design not one device's
+                np.testing.assert_allclose(got[key], single[key], atol=1e-5, err_msg=f"{case} {key} rank {rank}")
 
 
 def _custom_result(output, prefix):

@@ -167,7 +167,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, MultiWorker):
         _refuse_xla_on_cpu_workers(compile_kwargs)
     if isinstance(spec, MultiWorker) and _strategy_free(strategy):
-        strategy_free.check_compile(compile_kwargs)
+        strategy_free.check_compile(compile_kwargs, model)
     elif isinstance(spec, MultiWorker):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
@@ -186,10 +186,9 @@ def _refuse_xla_on_cpu_workers(compile_kwargs):
 # -- fit / evaluate / predict --------------------------------------------------------
 
 @kerasdist.hookimpl
-def kerasdist_prepare_dataset(dataset, method, spec):
-    if isinstance(spec, MultiWorker) and is_dataset(dataset) and method != "predict" and state.ring \
-            and strategy_free.setting(os.environ) != "off" and strategy_free.supports(spec):
-        return strategy_free.split_dataset(dataset, state.ring)
+def kerasdist_prepare_dataset(dataset, kind, method, strategy, spec):
+    if isinstance(spec, MultiWorker) and _strategy_free(strategy) and method != "predict":
+        return strategy_free.split_dataset(dataset, kind, state.ring)
     if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None
     import tensorflow as tf
@@ -206,13 +205,13 @@ def kerasdist_prepare_dataset(dataset, method, spec):
 def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if not isinstance(spec, MultiWorker):
         return
-    from . import backup, workers
-
     if _strategy_free(strategy):
         return _adjust_strategy_free_call(method, call_kwargs, model, spec)
+    from . import workers
+
     if method in ("fit", "evaluate"):
         ring = use_ring(model, strategy, method)
-    chief = bool(strategy.extended.should_checkpoint)
+    index = None
     if method == "fit":
         from kerasdist.plugin_tools import may_split_unevenly, set_batch_share_weighting
 
@@ -222,29 +221,27 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
                                   replicas=ring.size if ring else None, sum_counts=ring.sum_count if ring else None)
         index = private_backups.count_fit()
         workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
-        if spec.backup:
-            backup.add_backup(call_kwargs, spec, model, strategy, index, chief, private_backups.scratch_dir())
-    if not chief:
-        if call_kwargs.get("verbose", "auto") != 0:
-            call_kwargs["verbose"] = 0
-        if method == "fit":  # the paths are given back at the end of training
-            workers.redirect_writes(call_kwargs, private_backups.scratch_dir())
+    _chief_writes(method, call_kwargs, model, spec, strategy, index)
 
 
 def _adjust_strategy_free_call(method, call_kwargs, model, spec):
-    from . import backup, workers
-
-    ring, chief = state.ring, bool(state.strategy.extended.should_checkpoint)
+    ring = state.ring
+    index = private_backups.count_fit() if method == "fit" else None
     if method in ("fit", "evaluate"):
         strategy_free.install(model, ring)
-        index = private_backups.count_fit() if method == "fit" else None
         strategy_free.split_call_data(call_kwargs, ring.rank, ring.size, method,
                                       spec.shuffle_seed + index if method == "fit" else None)
-        if method == "fit":
-            if spec.backup:
-                backup.add_backup(call_kwargs, spec, model, state.strategy, index, chief,
-                                  private_backups.scratch_dir())
-            call_kwargs["callbacks"].append(strategy_free.BroadcastFromRankZero(ring))
+    _chief_writes(method, call_kwargs, model, spec, state.strategy, index)
+    strategy_free.broadcast_before(method, model, ring, call_kwargs)  # fit: after the backup's restore
+
+
+def _chief_writes(method, call_kwargs, model, spec, strategy, index):
+    """``fit``'s backup; only the chief prints and writes (the others' paths are given back at the end)."""
+    from . import backup, workers
+
+    chief = bool(strategy.extended.should_checkpoint)
+    if method == "fit" and spec.backup:
+        backup.add_backup(call_kwargs, spec, model, strategy, index, chief, private_backups.scratch_dir())
     if not chief:
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0

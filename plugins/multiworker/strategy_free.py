@@ -16,7 +16,8 @@ import weakref
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import arrays_as_dataset, is_dataset, keras_step_order_is_known, split_batches
+from kerasdist.plugin_tools import (arrays_as_dataset, is_dataset, keras_step_order_is_known, split_batches,
+                                    unique_variables)
 
 from .options import STRATEGY_FREE_VAR
 
@@ -45,6 +46,10 @@ class _Exchange:
         self.rows = self.loss = self.tracker_before = None
         self.optimizers = weakref.WeakSet()
 
+    def forget_step(self):
+        """After a traced step: its tensors belong to that graph (an ``apply`` outside fit must not see them)."""
+        self.rows = self.loss = self.tracker_before = None
+
 
 def supports(spec):
     """Whether ``spec`` can train strategy-free; the rest keeps MultiWorkerMirroredStrategy (sync_batch_norm's
@@ -52,8 +57,24 @@ def supports(spec):
     return not spec.sync_batch_norm and spec.shard_policy.lower() in ("auto", "data")
 
 
-def check_compile(compile_kwargs):
-    compile_kwargs["jit_compile"] = False  # "auto" (True was refused): the ring is called from the step
+#: model -> True when its compiled losses sum over rows (reduction "sum"): gradients are summed, not averaged
+_summed_losses = weakref.WeakKeyDictionary()
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def check_compile(compile_kwargs, model):
+    """``jit_compile`` off ("auto"; True was refused: the ring is called from the step), and how the workers'
+    gradients combine: a mean over rows (Keras's default reduction) or, for losses with reduction "sum", a sum."""
+    compile_kwargs["jit_compile"] = False
+    losses = [loss for loss in keras.tree.flatten(compile_kwargs.get("loss")) if loss is not None]
+    reductions = {getattr(loss, "reduction", "sum_over_batch_size") for loss in losses}
+    if reductions <= set(_MEAN_REDUCTIONS) or reductions == {"sum"}:
+        _summed_losses[model] = reductions == {"sum"}
+        return
+    raise KerasdistError(
+        f"distribute='multiworker' (strategy-free) cannot combine the workers' gradients for losses with reductions "
+        f"{sorted(map(str, reductions))}: give every loss a mean reduction ({', '.join(_MEAN_REDUCTIONS)}) or "
+        "every loss 'sum', or set KERASDIST_STRATEGY_FREE=off (MultiWorkerMirroredStrategy's step).")
 
 
 def install(model, ring):
@@ -100,17 +121,25 @@ def _wrap_apply(model, optimizer, exchange):
 
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         rows = exchange.rows if exchange.rows is not None else tf.constant(1.0)  # outside fit: a plain mean
+        summed = _summed_losses.get(model, False)
+        weight = tf.constant(1.0) if summed else rows  # a mean loss's gradient counts as many times as its rows
         loss, exchange.loss = (exchange.loss, None) if optimizer is model.optimizer else (None, exchange.loss)
         dense = [i for i, g in enumerate(grads) if g is not None]
-        totals = [rows] if loss is None else [rows, loss * rows]
-        sums = exchange.ring.sum_tensors([grads[i] * tf.cast(rows, grads[i].dtype) for i in dense]
-                                         + [tf.stack(totals)])
+        has_rows = rows > 0  # an empty share (a batch smaller than the workers) adds nothing, NaN included
+
+        def weighted(value):
+            return tf.where(has_rows, value * tf.cast(weight, value.dtype), tf.zeros_like(value))
+
+        totals = [rows] if loss is None else [rows, weighted(loss)]
+        sums = exchange.ring.sum_tensors([weighted(grads[i]) for i in dense] + [tf.stack(totals)])
         total_rows = sums[-1][0]
+        divisor = tf.constant(1.0) if summed else total_rows
         for i, total in zip(dense, sums[:-1]):
-            grads[i] = tf.math.divide_no_nan(total, tf.cast(total_rows, total.dtype))
+            grads[i] = tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
         if loss is not None and exchange.tracker_before is not None:  # Keras's own step: the global batch's loss
             tracker, total, count = exchange.tracker_before
-            tracker.total.assign(total + keras.ops.cast(sums[-1][1], tracker.total.dtype))
+            loss_sum = sums[-1][1] * (total_rows if summed else 1.0)  # the tracker weighs each loss by its rows
+            tracker.total.assign(total + keras.ops.cast(loss_sum, tracker.total.dtype))
             tracker.count.assign(count + keras.ops.cast(total_rows, tracker.count.dtype))
         return keras_apply(grads, trainable_variables)
 
@@ -139,19 +168,57 @@ def _wrap_steps(model, exchange):
         def step(data, keras_step=keras_step, skip_loss=skip_loss):
             exchange.rows, exchange.loss = _rows_of(data), None
             exchange.tracker_before = _loss_tracker_before(model) if skip_loss else None
-            variables = _metric_variables(model, skip_loss)
-            if not variables:
-                return keras_step(data)
-            before = [v.value + 0 for v in variables]
-            logs = keras_step(data)
-            sums = exchange.ring.sum_tensors([v.value - b for v, b in zip(variables, before)])
-            for v, b, total in zip(variables, before, sums):
-                v.assign(b + total)
-            if isinstance(logs, dict) and exchange.own_step:
-                return dict(logs, **model.get_metrics_result())
-            return _logs_after_sum(model, logs)
+            try:
+                return _summed_step(model, exchange, keras_step, data, skip_loss)
+            finally:
+                exchange.forget_step()
 
         object.__setattr__(model, name, step)
+
+
+def _summed_step(model, exchange, keras_step, data, skip_loss):
+    variables = _metric_variables(model, skip_loss)
+    before = [v.value + 0 for v in variables]
+    kept = _kept_if_empty(model, exchange.rows)
+    logs = keras_step(data)
+    kept()
+    loose = [] if exchange.own_step else _loose_logs(model, logs)
+    if not variables and not loose:
+        return logs
+    sums = exchange.ring.sum_tensors([v.value - b for v, b in zip(variables, before)]
+                                     + [keras.ops.cast(logs[k], "float32") for k in loose])
+    for v, b, total in zip(variables, before, sums):
+        v.assign(b + total)
+    if exchange.own_step:
+        return dict(logs, **model.get_metrics_result())
+    by_name = {m.name: m for m in model.metrics}
+    logs = {k: by_name[k].result() if k in by_name else v for k, v in logs.items()}
+    return dict(logs, **{k: total / exchange.ring.size for k, total in zip(loose, sums[len(variables):])})
+
+
+def _kept_if_empty(model, rows):
+    """For a worker whose share of the batch is empty: a function that puts back the model's float non-trainable
+    state (BatchNormalization's moving statistics would take the empty batch's NaN moments)."""
+    import tensorflow as tf
+
+    state = [v for v in model.non_trainable_variables if keras.backend.is_float_dtype(v.dtype)]
+    before = [v.value + 0 for v in state]
+
+    def put_back():
+        for v, b in zip(state, before):
+            v.assign(tf.where(rows > 0, v.value, b))
+
+    return put_back
+
+
+def _loose_logs(model, logs):
+    """A custom step's float scalar logs that no metric of the model backs (averaged over the workers, as
+    MultiWorkerMirroredStrategy's reduction did, so callbacks see the same value on every worker)."""
+    if not isinstance(logs, dict):
+        return []
+    names = {m.name for m in model.metrics}
+    return [k for k, v in logs.items() if k not in names and hasattr(v, "dtype") and len(getattr(v, "shape", ())) == 0
+            and keras.backend.is_float_dtype(keras.backend.standardize_dtype(v.dtype))]
 
 
 def _rows_of(data):
@@ -165,24 +232,12 @@ def _rows_of(data):
     return tf.cast(tf.shape(leaf)[0], tf.float32) if leaf is not None else tf.constant(1.0)
 
 
-def _logs_after_sum(model, logs):
-    """A custom step's logs, read again from its metrics where they name one (their states are now summed)."""
-    if not isinstance(logs, dict):
-        return logs
-    by_name = {m.name: m for m in model.metrics}
-    return {k: by_name[k].result() if k in by_name else v for k, v in logs.items()}
-
-
 def _metric_variables(model, skip_loss):
-    seen, variables = set(), []
-    for metric in model.metrics:
-        if skip_loss and metric.name == "loss":
-            continue
-        for v in metric.variables:
-            if id(v) not in seen:
-                seen.add(id(v))
-                variables.append(v)
-    return variables
+    return unique_variables(v for m in model.metrics if not (skip_loss and m.name == "loss") for v in m.variables)
+
+
+#: models whose weights rank 0 has broadcast (a model's first evaluate/predict before any fit broadcasts too)
+_broadcast = weakref.WeakSet()
 
 
 class BroadcastFromRankZero(keras.callbacks.Callback):
@@ -196,18 +251,25 @@ class BroadcastFromRankZero(keras.callbacks.Callback):
         broadcast_state(self.model, self.ring)
 
 
+def broadcast_before(method, model, ring, call_kwargs):
+    """Every worker runs rank 0's weights: ``fit`` broadcasts them at its start (a callback, after the backup's
+    restore); ``evaluate``/``predict`` before the model's first ``fit`` broadcast them now (as
+    MultiWorkerMirroredStrategy's variables took rank 0's initial values)."""
+    if method == "fit":
+        call_kwargs["callbacks"].append(BroadcastFromRankZero(ring))
+    elif model not in _broadcast:
+        broadcast_state(model, ring)
+
+
 def broadcast_state(model, ring):
     import numpy as np
 
+    _broadcast.add(model)
     variables = list(model.weights)
     optimizer = model.optimizer
     if optimizer is not None and optimizer.built:
         variables += list(optimizer.variables)
-    seen, unique = set(), []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            unique.append(v)
+    unique = unique_variables(variables)
     by_dtype = {}
     for v in unique:
         by_dtype.setdefault(np.dtype(keras.backend.standardize_dtype(v.dtype)), []).append(v)
@@ -224,15 +286,52 @@ def split_call_data(call_kwargs, rank, size, method, seed):
     each worker takes its part of every batch (datasets: ``split_dataset`` already did)."""
     x = call_kwargs.get("x")
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
+    if shuffle is not None and isinstance(x, keras.utils.PyDataset):  # Keras's own shuffle differs per worker
+        call_kwargs.update(x=_in_shared_order(x, shuffle), shuffle=False)
+    validation_batch = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size")
     if not is_dataset(x) and arrays_as_dataset(call_kwargs, shuffle, method):
         call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
     validation = call_kwargs.get("validation_data") if method == "fit" else None
     if validation is not None and not is_dataset(validation):
-        parts = dict(zip(("x", "y", "sample_weight"), validation))
-        parts["batch_size"] = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size")
+        parts = dict(zip(("x", "y", "sample_weight"), validation), batch_size=validation_batch)
         if arrays_as_dataset(parts, method="evaluate"):
             call_kwargs["validation_data"] = split_batches(parts["x"], rank, size)
 
 
-def split_dataset(dataset, ring):
+def _in_shared_order(dataset, seed):
+    """``dataset``'s batches in an order shuffled each epoch from ``seed``: the same on every worker."""
+    import numpy as np
+
+    class SharedOrder(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                             max_queue_size=dataset.max_queue_size)
+            self.epoch = 0
+            self.order = np.random.default_rng([seed, 0]).permutation(len(dataset))
+
+        def __len__(self):
+            return len(dataset)
+
+        def __getitem__(self, index):
+            return dataset[int(self.order[index])]
+
+        def on_epoch_end(self):
+            dataset.on_epoch_end()
+            self.epoch += 1
+            self.order = np.random.default_rng([seed, self.epoch]).permutation(len(dataset))
+
+    return SharedOrder()
+
+
+def split_dataset(dataset, kind, ring):
+    """This worker's part of every batch of a ``tf.data.Dataset``, ``keras.utils.PyDataset`` or generator; None for
+    other inputs. A dataset is made deterministic: every worker must slice the same batch."""
+    if kind == "tf.data":
+        import tensorflow as tf
+
+        options = tf.data.Options()
+        options.deterministic = True
+        dataset = dataset.with_options(options)
+    elif kind not in ("py_dataset", "generator"):
+        return None
     return split_batches(dataset, ring.rank, ring.size)

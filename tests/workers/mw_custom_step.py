@@ -1,7 +1,8 @@
 """Custom ``train_step`` models from keras.io "Customizing what happens in fit() with TensorFlow", compiled with
 one word: ``first`` (its first CustomModel: compute_loss, optimizer.apply, every metric updated by hand), ``lower``
 (its lower-level one: own loss function and trackers, compile with an optimizer only), ``two`` (a second optimizer
-held by the model updates the last layer, as a GAN's). Prints RESULT {"w": all weights, "loss": the history}.
+held by the model updates the last layer, as a GAN's; its log is not a metric). Prints RESULT {"w": all weights,
+and the history}.
 
     python mw_custom_step.py first|lower|two multiworker|none
 """
@@ -73,7 +74,7 @@ class TwoOptimizers(keras.Model):
         gradients = tape.gradient(loss, first + last)
         self.optimizer.apply(gradients[:len(first)], first)
         self.last_optimizer.apply(gradients[len(first):], last)
-        return {"loss": loss}
+        return {"step_loss": loss}  # no metric backs it: the workers' values are averaged
 
 
 inputs = keras.Input(shape=(32,))
@@ -93,4 +94,4 @@ x = rng.random((1000, 32)).astype("float32")
 y = rng.random((1000, 1)).astype("float32")
 h = model.fit(x, y, epochs=3, batch_size=64, shuffle=False, verbose=0)
 w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
-print("RESULT", json.dumps({"w": w.tolist(), "loss": h.history["loss"]}), flush=True)
+print("RESULT", json.dumps({"w": w.tolist(), **h.history}), flush=True)
