@@ -27,7 +27,7 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replica
 from . import process_state
 import kerasdist.private_backups as private_backups  # not "from . import": kerasdist.__getattr__ looks up plugins
 from ._keras_internals.torch import compiled_metrics, keras_wraps_ddp, synchronize_torch_batch_norm
-from ._keras_internals.training import keras_step_order_is_known
+from ._keras_internals.training import keras_step_order_is_known, mean_state
 from ._keras_internals.torch_sharding import replace_variable_tensor
 from .backend import keras_backend
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
@@ -55,7 +55,7 @@ __all__ = [
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
     "assign_state_from_first_replica", "update_loss_scale_once_per_step", "replicas_train_as_one_device",
     # the PyTorch backend
-    "keras_wraps_ddp", "keras_step_order_is_known", "compiled_metrics", "synchronize_torch_batch_norm",
+    "keras_wraps_ddp", "keras_step_order_is_known", "mean_state", "compiled_metrics", "synchronize_torch_batch_norm",
     "replace_variable_tensor",
     # kerasdist's private, identity-checked BackupAndRestore backups: private_backups.add_backup(call_kwargs, spec,
     # model, strategy, fit_index, chief, scratch) (spec.backup_dir; strategy.num_replicas_in_sync)

@@ -728,6 +728,19 @@ def test_tensorflow_train_step_order_the_strategy_free_multiworker_step_relies_o
     assert not keras_step_order_is_known(compiled)
 
 
+def test_a_mean_metrics_state_is_its_total_and_count():
+    """training.mean_state (the strategy-free step sets the loss tracker to the global batch's sums)."""
+    from kerasdist._keras_internals.training import mean_state
+
+    tracker = keras.metrics.Mean(name="loss")
+    tracker.update_state(np.array([2.0, 4.0]), sample_weight=np.array([1.0, 3.0]))
+    total, count = mean_state(tracker)
+    assert float(total.numpy()) == 14.0 and float(count.numpy()) == 4.0 and float(tracker.result()) == 3.5
+    total.assign(20.0)
+    assert float(tracker.result()) == 5.0
+    assert mean_state(keras.metrics.MeanAbsoluteError()) is not None and mean_state(keras.metrics.AUC()) is None
+
+
 def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     """_keras_internals/torch.py and plugins/torch_distributed (in a torch process): the torch trainer's step
     scales the loss through ``optimizer.scale_loss`` and updates through ``optimizer.apply`` (both wrapped per

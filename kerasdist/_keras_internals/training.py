@@ -28,6 +28,15 @@ def keras_step_order_is_known(model):
             and type(model).compute_metrics is Trainer.compute_metrics and "compute_metrics" not in own)
 
 
+def mean_state(metric):
+    """The (total, count) variables of a ``keras.metrics.Mean``-like metric (Keras's ``loss`` tracker: the running
+    sum of the values times their weights, and the summed weights), or None. Private: ``Reduce.total/.count``."""
+    total, count = getattr(metric, "total", None), getattr(metric, "count", None)
+    if total is None or count is None or not hasattr(total, "assign") or not hasattr(count, "assign"):
+        return None
+    return total, count
+
+
 # -- keras.distribution on JAX (kerasdist_plugins.keras_distribution) --------------------------------
 
 def lay_out_variables(variables, layout_of):

@@ -16,8 +16,8 @@ import weakref
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import (arrays_as_dataset, is_dataset, keras_step_order_is_known, split_batches,
-                                    unique_variables)
+from kerasdist.plugin_tools import (arrays_as_dataset, is_dataset, keras_step_order_is_known, mean_state,
+                                    split_batches, unique_variables)
 
 from .options import STRATEGY_FREE_VAR
 
@@ -137,22 +137,24 @@ def _wrap_apply(model, optimizer, exchange):
         for i, total in zip(dense, sums[:-1]):
             grads[i] = tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
         if loss is not None and exchange.tracker_before is not None:  # Keras's own step: the global batch's loss
-            tracker, total, count = exchange.tracker_before
+            total, count, total_before, count_before = exchange.tracker_before
             loss_sum = sums[-1][1] * (total_rows if summed else 1.0)  # the tracker weighs each loss by its rows
-            tracker.total.assign(total + keras.ops.cast(loss_sum, tracker.total.dtype))
-            tracker.count.assign(count + keras.ops.cast(total_rows, tracker.count.dtype))
+            total.assign(total_before + keras.ops.cast(loss_sum, total.dtype))
+            count.assign(count_before + keras.ops.cast(total_rows, count.dtype))
         return keras_apply(grads, trainable_variables)
 
     object.__setattr__(optimizer, "apply", apply)
 
 
 def _loss_tracker_before(model):
-    """Keras's ``loss`` tracker (a Mean over the epoch, weighted by rows) and its state before this step: apply sets
-    it to that plus the global batch's sums, the same bits on every worker."""
+    """Keras's ``loss`` tracker's (total, count) and their values before this step: apply sets them to those plus
+    the global batch's sums, the same bits on every worker."""
     tracker = next((m for m in model.metrics if m.name == "loss"), None)
-    if tracker is None or not (hasattr(tracker, "total") and hasattr(tracker, "count")):
+    state = mean_state(tracker) if tracker is not None else None
+    if state is None:
         return None
-    return tracker, tracker.total.value + 0, tracker.count.value + 0
+    total, count = state
+    return total, count, total.value + 0, count.value + 0
 
 
 def _wrap_steps(model, exchange):
