@@ -15,7 +15,6 @@ import kerasdist
 from kerasdist import ClusterConfigError, KerasdistError
 from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups, set_process_group
 
-from . import strategy_free
 from .gradients import agree_on_ring, gradient_transport, use_ring
 from .probe import keep_ring_if_faster
 from .join import TooLate, check_port_free, join_cluster, state
@@ -141,6 +140,8 @@ def kerasdist_create_strategy(spec, cluster):
 def _trains_strategy_free(spec):
     """Whether ``spec`` trains strategy-free here. The ring is agreed (and, under ``auto``, measured against
     TensorFlow's collectives) at the first compile that could use it; every worker reaches the same answer."""
+    from . import strategy_free  # imports Keras: not at plugin loading
+
     mode = strategy_free.setting(os.environ)
     if mode == "off" or not strategy_free.supports(spec):
         return False
@@ -167,6 +168,8 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, MultiWorker):
         _refuse_xla_on_cpu_workers(compile_kwargs)
     if isinstance(spec, MultiWorker) and _strategy_free(strategy):
+        from . import strategy_free
+
         strategy_free.check_compile(compile_kwargs, model)
     elif isinstance(spec, MultiWorker):
         from kerasdist.plugin_tools import replicas_train_as_one_device
@@ -188,6 +191,8 @@ def _refuse_xla_on_cpu_workers(compile_kwargs):
 @kerasdist.hookimpl
 def kerasdist_prepare_dataset(dataset, kind, method, strategy, spec):
     if isinstance(spec, MultiWorker) and _strategy_free(strategy) and method != "predict":
+        from . import strategy_free
+
         return strategy_free.split_dataset(dataset, kind, state.ring)
     if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None
@@ -225,6 +230,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
 
 
 def _adjust_strategy_free_call(method, call_kwargs, model, spec):
+    from . import strategy_free
+
     ring = state.ring
     index = private_backups.count_fit() if method == "fit" else None
     if method in ("fit", "evaluate"):
