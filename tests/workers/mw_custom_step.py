@@ -1,10 +1,10 @@
 """Custom ``train_step`` models from keras.io "Customizing what happens in fit() with TensorFlow", compiled with
 one word: ``first`` (its first CustomModel: compute_loss, optimizer.apply, every metric updated by hand), ``lower``
 (its lower-level one: own loss function and trackers, compile with an optimizer only), ``two`` (a second optimizer
-held by the model updates the last layer, as a GAN's; its log is not a metric). Prints RESULT {"w": all weights,
-and the history}.
+held by the model updates the last layer, as a GAN's; its log is not a metric), each variant named trained in turn
+in this process. Prints RESULT <variant> {"w": all weights, and the history}.
 
-    python mw_custom_step.py first|lower|two multiworker|none
+    python mw_custom_step.py first,lower,two multiworker|none
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
 
@@ -15,8 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-keras.utils.set_random_seed(0)
-variant = sys.argv[1]
+variants = sys.argv[1].split(",")
 distribute = sys.argv[2] if sys.argv[2] != "none" else None
 
 
@@ -77,21 +76,27 @@ class TwoOptimizers(keras.Model):
         return {"step_loss": loss}  # no metric backs it: the workers' values are averaged
 
 
-inputs = keras.Input(shape=(32,))
-hidden = keras.layers.Dense(4, activation="tanh")(inputs) if variant == "two" else inputs
-outputs = keras.layers.Dense(1)(hidden)
-if variant == "first":
-    model = CustomModel(inputs, outputs)
-    model.compile(optimizer="sgd", loss="mse", metrics=["mae"], distribute=distribute)
-elif variant == "two":
-    model = TwoOptimizers(inputs, outputs)
-    model.compile(optimizer="sgd", loss="mse", distribute=distribute)
-else:
-    model = LowerLevel(inputs, outputs)
-    model.compile(optimizer="sgd", distribute=distribute)
-rng = np.random.default_rng(1)
-x = rng.random((1000, 32)).astype("float32")
-y = rng.random((1000, 1)).astype("float32")
-h = model.fit(x, y, epochs=3, batch_size=64, shuffle=False, verbose=0)
-w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
-print("RESULT", json.dumps({"w": w.tolist(), **h.history}), flush=True)
+def train(variant):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(shape=(32,))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs) if variant == "two" else inputs
+    outputs = keras.layers.Dense(1)(hidden)
+    if variant == "first":
+        model = CustomModel(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"], distribute=distribute)
+    elif variant == "two":
+        model = TwoOptimizers(inputs, outputs)
+        model.compile(optimizer="sgd", loss="mse", distribute=distribute)
+    else:
+        model = LowerLevel(inputs, outputs)
+        model.compile(optimizer="sgd", distribute=distribute)
+    rng = np.random.default_rng(1)
+    x = rng.random((1000, 32)).astype("float32")
+    y = rng.random((1000, 1)).astype("float32")
+    h = model.fit(x, y, epochs=3, batch_size=64, shuffle=False, verbose=0)
+    w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+    print(f"RESULT {variant} " + json.dumps({"w": w.tolist(), **h.history}), flush=True)
+
+
+for variant in variants:  # several models in one process, one after the other
+    train(variant)

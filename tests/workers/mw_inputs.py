@@ -1,11 +1,12 @@
 """Inputs and losses the strategy-free multiworker step must split and combine like one process on the global batch.
 
-    python mw_inputs.py CASE multiworker|none
+    python mw_inputs.py CASE[,CASE...] multiworker|none
 
 Cases: ``py_dataset`` (a keras.utils.PyDataset of global batches; ``py_dataset_shuffled``: fit shuffles their order),
 ``generator`` (a generator of global batches),
 ``sum_loss`` (MeanSquaredError(reduction="sum")), ``empty_share`` (BatchNormalization, and a last batch of 1 row:
-one worker's share is empty). Prints RESULT {"w": all weights, and the history}.
+one worker's share is empty), each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the
+history}.
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
 
@@ -15,38 +16,42 @@ import sys
 import keras
 import numpy as np
 
-case, word = sys.argv[1], sys.argv[2]
-shuffle = case == "py_dataset_shuffled"  # Keras shuffles a PyDataset's batch order: the same order everywhere
-keras.utils.set_random_seed(0)
-rng = np.random.default_rng(3)
-x = rng.random((65 if case == "empty_share" else 64, 5)).astype("float32")
-y = rng.random((len(x), 1)).astype("float32")
+cases, word = sys.argv[1].split(","), sys.argv[2]
 BATCH, STEPS = 16, 4
 
 
-class Batches(keras.utils.PyDataset):
-    def __len__(self):
-        return STEPS
+def train(case):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(3)
+    x = rng.random((65 if case == "empty_share" else 64, 5)).astype("float32")
+    y = rng.random((len(x), 1)).astype("float32")
 
-    def __getitem__(self, index):
-        return x[index * BATCH:(index + 1) * BATCH], y[index * BATCH:(index + 1) * BATCH]
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return STEPS
+
+        def __getitem__(self, index):
+            return x[index * BATCH:(index + 1) * BATCH], y[index * BATCH:(index + 1) * BATCH]
+
+    layers = [keras.Input((5,)), keras.layers.Dense(4, activation="tanh")]
+    if case == "empty_share":
+        layers.append(keras.layers.BatchNormalization())
+    model = keras.Sequential(layers + [keras.layers.Dense(1)])
+    loss = keras.losses.MeanSquaredError(reduction="sum") if case == "sum_loss" else "mse"
+    model.compile(optimizer=keras.optimizers.SGD(0.01 if case == "sum_loss" else 0.1), loss=loss, metrics=["mae"],
+                  distribute=None if word == "none" else word)
+    if case.startswith("py_dataset"):  # Keras shuffles a PyDataset's batch order: the same order everywhere
+        history = model.fit(Batches(), epochs=2, verbose=0, shuffle=case == "py_dataset_shuffled")
+    elif case == "generator":
+        def batches():
+            for _ in range(2):
+                yield from (Batches()[i] for i in range(STEPS))
+        history = model.fit(batches(), steps_per_epoch=STEPS, epochs=2, verbose=0)
+    else:
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    w = np.concatenate([np.ravel(v) for v in model.get_weights()])
+    print(f"RESULT {case} " + json.dumps({"w": w.tolist(), **history.history}), flush=True)
 
 
-layers = [keras.Input((5,)), keras.layers.Dense(4, activation="tanh")]
-if case == "empty_share":
-    layers.append(keras.layers.BatchNormalization())
-model = keras.Sequential(layers + [keras.layers.Dense(1)])
-loss = keras.losses.MeanSquaredError(reduction="sum") if case == "sum_loss" else "mse"
-model.compile(optimizer=keras.optimizers.SGD(0.01 if case == "sum_loss" else 0.1), loss=loss, metrics=["mae"],
-              distribute=None if word == "none" else word)
-if case.startswith("py_dataset"):
-    history = model.fit(Batches(), epochs=2, verbose=0, shuffle=shuffle)
-elif case == "generator":
-    def batches():
-        for _ in range(2):
-            yield from (Batches()[i] for i in range(STEPS))
-    history = model.fit(batches(), steps_per_epoch=STEPS, epochs=2, verbose=0)
-else:
-    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-w = np.concatenate([np.ravel(v) for v in model.get_weights()])
-print("RESULT", json.dumps({"w": w.tolist(), **history.history}), flush=True)
+for case in cases:  # several models in one process, one after the other
+    train(case)
