@@ -170,7 +170,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if isinstance(spec, MultiWorker) and _strategy_free(strategy):
         from . import strategy_free
 
-        strategy_free.check_compile(compile_kwargs, model)
+        strategy_free.adjust_compile(compile_kwargs, model)
     elif isinstance(spec, MultiWorker):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 

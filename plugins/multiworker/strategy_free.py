@@ -62,7 +62,7 @@ _summed_losses = weakref.WeakKeyDictionary()
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
 
 
-def check_compile(compile_kwargs, model):
+def adjust_compile(compile_kwargs, model):
     """``jit_compile`` off ("auto"; True was refused: the ring is called from the step), and how the workers'
     gradients combine: a mean over rows (Keras's default reduction) or, for losses with reduction "sum", a sum."""
     compile_kwargs["jit_compile"] = False
