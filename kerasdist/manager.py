@@ -45,6 +45,12 @@ def _name_list(environ, var):
     return names | {new for old in names for new in RENAMED_PLUGINS.get(old, ())}
 
 
+def _mid_import(module_name):
+    """Whether ``module_name`` is being imported right now (its body has not finished running)."""
+    spec = getattr(sys.modules.get(module_name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
+
+
 def _is_own(entry_point):
     dist = getattr(entry_point, "dist", None)
     return dist is not None and dist.name == OWN_DISTRIBUTION
@@ -61,6 +67,7 @@ class PluginSystem:
         self.packages = {}
         self.disabled = _name_list(self.environ, "KERASDIST_DISABLE_PLUGINS") or set()
         self.allowed = _name_list(self.environ, "KERASDIST_LOAD_PLUGINS")
+        self._importing = []  # entry points whose module was mid-import when this system was built
         if self.environ.get(TRACE_VAR, "").strip() not in ("", "0"):
             self.pm.add_hookcall_monitoring(_trace_before, _trace_after)
         if load_entrypoints:
@@ -98,6 +105,9 @@ class PluginSystem:
             self.registry.failures.append(PluginFailure(
                 ep.name, "disabled by KERASDIST_DISABLE_PLUGINS / KERASDIST_LOAD_PLUGINS", package, version))
             return
+        if _mid_import(ep.module):  # the import running now began at this plugin (it imported kerasdist)
+            self._importing.append(ep)
+            return
         try:
             plugin = ep.load()
         except Exception as exc:
@@ -112,6 +122,14 @@ class PluginSystem:
             self.registry.failures.append(PluginFailure(
                 ep.name, f"{type(exc).__name__}: {exc}", package, version,
                 f"{where}set KERASDIST_DISABLE_PLUGINS={ep.name}"))
+
+    def load_imported(self):
+        """Load the entry points that were mid-import when this system was built, once their import is done."""
+        if self._importing:
+            done = [ep for ep in self._importing if not _mid_import(ep.module)]
+            self._importing = [ep for ep in self._importing if ep not in done]
+            for ep in done:
+                self._load_entrypoint(ep)
 
     def add_plugin(self, plugin, name=None, package=None, version=None):
         """Register a plugin object/module and run its registration hooks.
@@ -244,6 +262,7 @@ def get_system():
     holder = _holder()
     if holder[0] is None:
         holder[0] = PluginSystem()
+    holder[0].load_imported()
     return holder[0]
 
 

@@ -278,3 +278,29 @@ def test_the_command_line_is_quiet():
     out = run(python("-m", "kerasdist.cli", "env"), timeout=120, env=env).stdout
     assert "keras_backend: tensorflow" in out
     assert "oneDNN" not in out and "absl::InitializeLog" not in out and "cpu_feature_guard" not in out
+
+
+def test_a_plugin_module_imported_before_kerasdist_under_a_cluster_is_registered(tmp_path):
+    """A script's first import is a plugin module (it imports kerasdist, which, with a cluster variable set,
+    loads the entry points at once): the plugin, mid-import then, is registered when its import is done."""
+    from tests.helpers import write_plugin_distribution
+
+    source = textwrap.dedent("""
+        import dataclasses
+        import kerasdist
+
+        @dataclasses.dataclass
+        class EarlySpec(kerasdist.StrategySpec):
+            level: int = 1
+
+        @kerasdist.hookimpl
+        def kerasdist_register_strategies(register):
+            register("early-bird", EarlySpec, backends=("tensorflow", "jax", "torch"))
+    """)
+    write_plugin_distribution(str(tmp_path), "early-plugin", source, {"early": "early_plugin"})
+    code = ("import early_plugin, kerasdist_plugins.torch_distributed as torch_plugin\nimport kerasdist\n"
+            "print('SPEC', kerasdist.spec('early-bird', level=2), type(kerasdist.data_parallel()).__name__)")
+    out = run(python("-c", code), timeout=120,
+              env=child_env(PYTHONPATH=str(tmp_path), RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="29500", KERAS_BACKEND="torch")).stdout
+    assert "SPEC EarlySpec(level=2) TorchDataParallelSpec" in out, out[-3000:]
