@@ -1,7 +1,7 @@
 """Keras on PyTorch, 2 processes: ``fit(distribute="data_parallel")`` vs the keras.io guide's hand-written
 DDP loop, and the scaling, measured in one run on this machine.
 
-    python bench/bench_torch.py [--batch 2048] [--steps 12] [--warmup 3] [--rounds 1]
+    python bench/bench_torch.py [--batch 2048] [--steps 30] [--warmup 3] [--rounds 1]
 
 Model: a 512-1024-10 MLP (``KERAS_BACKEND=torch``), SGD(0.01), sparse cross-entropy on logits, per-process
 batch ``--batch``; every process runs ``torch.set_num_threads(1)`` and ``OMP_NUM_THREADS=1``; gloo on
@@ -27,8 +27,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (cpu_description, free_ports, interleaved_rounds, print_result,  # noqa: E402
+from _common import (cpu_description, free_ports, interleaved_rounds, median, print_result,  # noqa: E402
                      print_summary, results, run_processes, stacks_on_signal, step_clock)
+from kerasdist_plugins.torch_distributed import allocator  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 FEATURES, HIDDEN, CLASSES = 512, 1024, 10
@@ -75,9 +76,10 @@ def worker_keras(args):
     global_batch = args.batch * size
     x, y = make_data(global_batch, args.warmup + args.steps)
     model = make_model()
+    keep = os.environ.get("BENCH_KEEP_FREED_MEMORY", "1") == "1"
     model.compile(optimizer=keras.optimizers.SGD(0.01),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  distribute="data_parallel" if size > 1 else None)
+                  distribute=kerasdist.data_parallel(keep_freed_memory=keep) if size > 1 else None)
     times = []
     model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=False, verbose=0,
               callbacks=[step_clock(args.warmup, times)])
@@ -139,14 +141,14 @@ def torchrun_environment(rank, size, port):
                 TORCHELASTIC_RUN_ID="bench-torch")
 
 
-def run_config(role, processes, independent, args):
+def run_config(role, processes, independent, extra_environment, args):
     """Run one configuration; returns the slowest reporting process's result (synchronous training
     goes at the pace of the slowest process)."""
     port = free_ports(1)[0]
     drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
     base = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("TORCHELASTIC")}
     base.update(KERAS_BACKEND="torch", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3",
-                PYTHONUNBUFFERED="1")
+                PYTHONUNBUFFERED="1", **extra_environment)
     environments = [dict(base) if independent else dict(base, **torchrun_environment(rank, processes, port))
                     for rank in range(processes)]
     command = [sys.executable, HERE, "--role", role, "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -156,18 +158,22 @@ def run_config(role, processes, independent, args):
     return max(results(outputs), key=lambda r: r["step_s"])
 
 
-CONFIGS = [  # (name, role, processes, independent)
-    ("1 process, plain Keras fit", "keras", 1, False),
-    ("2 independent processes, no communication (ceiling)", "keras", 2, True),
-    ("2 processes, fit(distribute='data_parallel')", "keras", 2, False),
-    ("2 processes, keras.io guide's hand-written DDP loop", "guide", 2, False),
+# glibc read at start-up: the same thresholds kerasdist sets with mallopt (keep_freed_memory=True)
+KEPT = {"MALLOC_MMAP_THRESHOLD_": str(allocator.MMAP_THRESHOLD), "MALLOC_TRIM_THRESHOLD_": str(allocator.TRIM_THRESHOLD)}
+CONFIGS = [  # (name, role, processes, independent, extra environment)
+    ("1 process, plain Keras fit", "keras", 1, False, {}),
+    ("2 independent processes, no communication (ceiling)", "keras", 2, True, {}),
+    ("2 processes, fit(distribute='data_parallel')", "keras", 2, False, {}),
+    ("2 processes, keras.io guide's hand-written DDP loop", "guide", 2, False, {}),
+    ("2 processes, the guide's loop, glibc kept as kerasdist", "guide", 2, False, KEPT),
+    ("2 processes, data_parallel, keep_freed_memory=False", "keras", 2, False, {"BENCH_KEEP_FREED_MEMORY": "0"}),
 ]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default="driver", choices=("driver", "keras", "guide"))
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds; medians are reported")
     parser.add_argument("--batch", type=int, default=2048, help="per-process batch size")
@@ -192,6 +198,11 @@ def main():
     steps = interleaved_rounds(CONFIGS, args.rounds, lambda c: run_config(*c[1:], args)["step_s"])
     print_summary(steps, CONFIGS, lambda processes: args.batch * processes, "data_parallel",
                   "hand-written guide loop")
+    ours = median(steps[CONFIGS[2][0]])
+    print(f"step time, the guide's loop with the same glibc thresholds / distribute='data_parallel': "
+          f"{median(steps[CONFIGS[4][0]]) / ours:.3f} (the training path alone: both keep freed memory)")
+    print(f"step time, data_parallel with keep_freed_memory=False / with it: "
+          f"{median(steps[CONFIGS[5][0]]) / ours:.3f} (what keeping freed memory saves)")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,9 @@ def two_ranks(tmp_path_factory):
 
 def test_kerasdist_launch_two_ranks_train_like_one_process(two_ranks, one_process):
     """Model built before compile, each rank seeding other weights (rank 0's reach every rank)."""
-    _assert_like_one_process(_scenario(two_ranks, "built"), _scenario(one_process, "built", [0])[0], atol=1e-5)
+    ranks = _scenario(two_ranks, "built")
+    _assert_like_one_process(ranks, _scenario(one_process, "built", [0])[0], atol=1e-5)
+    assert [str(rank["allocator"]) for rank in ranks] == ["kept", "kept"]  # keep_freed_memory=True on CPU
     out, output, returncode = two_ranks
     assert returncode == 0 or glob.glob(os.path.join(out, "*.error-rank*")), output[-3000:]  # else: exits cleanly
     _no_process_left(out)

@@ -20,6 +20,7 @@ import numpy as np  # noqa: E402
 
 import kerasdist  # noqa: E402,F401
 import keras  # noqa: E402
+from kerasdist_plugins.torch_distributed import allocator  # noqa: E402
 
 
 def arguments(argv=None):
@@ -174,7 +175,7 @@ def main(argv=None):
              batch_logs=np.asarray(batch_logs.rows), all_reduces=np.asarray(batch_logs.all_reduces),
              evaluate=np.asarray([evaluated["loss"], evaluated.get("mae", 0.0)]),
              predict=np.asarray(predicted, "float64"),
-             epochs_run=np.asarray(len(history.history["loss"])))
+             epochs_run=np.asarray(len(history.history["loss"])), allocator=np.asarray(allocator.status()))
     print(f"rank {rank} done: loss {history.history['loss']}", flush=True)
 
 

@@ -1,0 +1,55 @@
+"""distribute="data_parallel" on torch keeps freed host memory for reuse (plugins/torch_distributed/allocator.py):
+a training step's blocks come back from the heap, not as fresh pages from the kernel."""
+
+import importlib.util
+import json
+
+import pytest
+
+from kerasdist_plugins.torch_distributed import allocator
+from tests.helpers import child_env, python, run
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (pip install torch)")
+
+#: a 40 MiB tensor made and freed ten times (above glibc's largest adapted mmap threshold, 32 MiB): the page
+#: faults of the last nine, with and without keep_freed_memory()
+FAULTS = """
+import json, resource, sys
+import torch
+from kerasdist_plugins.torch_distributed import allocator
+why = allocator.keep_freed_memory() if sys.argv[1] == "kept" else "not asked"
+faults = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = torch.ones(10 << 20)
+    del block
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print("RESULT", json.dumps({"why": why, "status": allocator.status(), "faults": sum(faults[1:])}))
+"""
+
+
+def _faults(mode, **env):
+    out = run(python("-c", FAULTS, mode), timeout=120, env=child_env(**env)).stdout
+    return json.loads(out.split("RESULT", 1)[1])
+
+
+@pytest.mark.skipif(allocator._why_not({}) is not None, reason="glibc on Linux only")
+def test_kept_freed_memory_takes_no_fresh_pages_for_a_repeated_block():
+    plain, kept = _faults("plain"), _faults("kept")
+    assert kept["why"] is None and kept["status"] == "kept" and plain["status"] == "not asked"
+    pages = 9 * (40 << 20) // 4096  # every byte of nine 40 MiB blocks, page by page
+    assert plain["faults"] > pages // 2, plain  # glibc: mmap and munmap every time
+    assert kept["faults"] < pages // 4, kept  # reused from the heap (at most one block's pages again)
+
+
+def test_a_users_allocator_choice_is_left_alone():
+    assert _faults("kept", MALLOC_TRIM_THRESHOLD_="131072")["status"] == "the user set MALLOC_TRIM_THRESHOLD_"
+    assert "LD_PRELOAD" in allocator._why_not({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"})
+    assert "GLIBC_TUNABLES" in allocator._why_not({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"})
+
+
+def test_keep_freed_memory_is_a_checked_spec_option():
+    code = ("import kerasdist\nprint('OFF', kerasdist.data_parallel(keep_freed_memory=False).keep_freed_memory)\n"
+            "kerasdist.data_parallel(keep_freed_memory='yes')")
+    out = run(python("-c", code), timeout=60, env=child_env(KERAS_BACKEND="torch"), check=False).stdout
+    assert "OFF False" in out and "keep_freed_memory='yes'" in out, out[-2000:]
