@@ -11,21 +11,31 @@ from tests.helpers import child_env, python, run
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (pip install torch)")
 
-#: a 40 MiB tensor made and freed ten times (above glibc's largest adapted mmap threshold, 32 MiB): the page
-#: faults of the last nine, with and without keep_freed_memory()
+#: a 40 MiB tensor made and freed ten times (above glibc's largest adapted mmap threshold, 32 MiB), with and
+#: without keep_freed_memory(): the bytes glibc had mmapped while the first was held, the heap's free bytes once
+#: it was freed (mallinfo2), and the page faults of the last nine
 FAULTS = """
-import json, resource, sys
+import ctypes, ctypes.util, json, resource, sys
 import torch
 from kerasdist_plugins.torch_distributed import allocator
 why = allocator.keep_freed_memory() if sys.argv[1] == "kept" else "not asked"
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = MallInfo2
 faults = []
 for _ in range(10):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.ones(10 << 20)
+    mmapped = mmapped if faults else libc.mallinfo2().hblkhd
     del block
+    free_in_heap = free_in_heap if faults else libc.mallinfo2().fordblks
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print("RESULT", json.dumps({"why": why, "status": allocator.status(), "faults": sum(faults[1:])}))
+print("RESULT", json.dumps({"why": why, "status": allocator.status(), "faults": sum(faults[1:]),
+                            "mmapped": mmapped, "free_in_heap": free_in_heap}))
 """
+BLOCK = 40 << 20
 
 
 def _faults(mode, **env):
@@ -37,9 +47,10 @@ def _faults(mode, **env):
 def test_kept_freed_memory_takes_no_fresh_pages_for_a_repeated_block():
     plain, kept = _faults("plain"), _faults("kept")
     assert kept["why"] is None and kept["status"] == "kept" and plain["status"] == "not asked"
-    pages = 9 * (40 << 20) // 4096  # every byte of nine 40 MiB blocks, page by page
-    assert plain["faults"] > pages // 2, plain  # glibc: mmap and munmap every time
-    assert kept["faults"] < pages // 4, kept  # reused from the heap (at most one block's pages again)
+    assert plain["mmapped"] >= BLOCK and plain["free_in_heap"] < BLOCK, plain  # glibc: mmap, then munmap
+    assert kept["mmapped"] < BLOCK and kept["free_in_heap"] >= BLOCK, kept  # from the heap, and kept there
+    pages = 9 * BLOCK // 4096  # every byte of the nine later blocks, page by page
+    assert kept["faults"] < pages // 4, kept  # reused (at most one block's pages again)
 
 
 def test_a_users_allocator_choice_is_left_alone():
