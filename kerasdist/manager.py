@@ -46,9 +46,13 @@ def _name_list(environ, var):
 
 
 def _mid_import(module_name):
-    """Whether ``module_name`` is being imported right now (its body has not finished running)."""
-    spec = getattr(sys.modules.get(module_name), "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
+    """Whether ``module_name`` or a package above it is being imported right now (its body has not finished
+    running). CPython's import system marks such a module's spec ``_initializing`` (3.4 to 3.13)."""
+    parts = module_name.split(".")
+    for name in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+        if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False):
+            return True
+    return False
 
 
 def _is_own(entry_point):
@@ -105,7 +109,7 @@ class PluginSystem:
             self.registry.failures.append(PluginFailure(
                 ep.name, "disabled by KERASDIST_DISABLE_PLUGINS / KERASDIST_LOAD_PLUGINS", package, version))
             return
-        if _mid_import(ep.module):  # the import running now began at this plugin (it imported kerasdist)
+        if _mid_import(ep.module):  # the import running now began at this plugin or its package
             self._importing.append(ep)
             return
         try:
@@ -126,10 +130,9 @@ class PluginSystem:
     def load_imported(self):
         """Load the entry points that were mid-import when this system was built, once their import is done."""
         if self._importing:
-            done = [ep for ep in self._importing if not _mid_import(ep.module)]
-            self._importing = [ep for ep in self._importing if ep not in done]
-            for ep in done:
-                self._load_entrypoint(ep)
+            waiting, self._importing = self._importing, []
+            for ep in waiting:
+                self._load_entrypoint(ep)  # one still mid-import waits again
 
     def add_plugin(self, plugin, name=None, package=None, version=None):
         """Register a plugin object/module and run its registration hooks.

@@ -40,7 +40,9 @@ BLOCK = 40 << 20
 
 
 def _faults(mode, **env):
-    out = run(python("-c", FAULTS, mode), timeout=120, env=child_env(**env)).stdout
+    """The child's figures, without an allocator choice of this machine's (LD_PRELOAD, MALLOC_*, ...)."""
+    environment = {k: v for k, v in child_env(**env).items() if k not in allocator.USER_SETTINGS or k in env}
+    out = run(python("-c", FAULTS, mode), timeout=120, env=environment).stdout
     return json.loads(out.split("RESULT", 1)[1])
 
 

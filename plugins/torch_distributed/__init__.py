@@ -39,7 +39,8 @@ class TorchDataParallelSpec(kerasdist.StrategySpec):
         KERASDIST_BACKUP_DIR, else ``~/.cache/kerasdist/backups``.
     :param keep_freed_memory: on CPU, set glibc's allocator to keep freed host memory for reuse (up to
         512 MiB; process-wide) instead of taking fresh pages from the kernel every step; False leaves it as is.
-        Skipped when ``LD_PRELOAD`` or ``MALLOC_*``/``GLIBC_TUNABLES`` variables are set.
+        Skipped when ``LD_PRELOAD``, ``GLIBC_TUNABLES`` or glibc's ``MALLOC_*_THRESHOLD_``/``MALLOC_TOP_PAD_``/
+        ``MALLOC_MMAP_MAX_`` are set. Applied at every compile that asks for it (the first one sets it).
     """
 
     sync_batch_norm: bool = False
@@ -89,12 +90,7 @@ def kerasdist_launch_environment(worker, environ):
 def kerasdist_create_strategy(spec, cluster):
     if not isinstance(spec, TorchDataParallelSpec):
         return None
-    strategy = group.join(cluster, spec.backend, spec.timeout_s)
-    if spec.keep_freed_memory and strategy.device == "cpu" and strategy.world_size > 1:
-        from . import allocator
-
-        allocator.keep_freed_memory()
-    return strategy
+    return group.join(cluster, spec.backend, spec.timeout_s)
 
 
 def _own(spec, strategy):
@@ -120,7 +116,13 @@ def kerasdist_prepare_model(model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
-    if not _own(spec, strategy) or strategy.world_size < 2 or keras_wraps_ddp():
+    if not _own(spec, strategy) or strategy.world_size < 2:
+        return
+    if spec.keep_freed_memory and strategy.device == "cpu":  # per compile: the strategy is shared by identity
+        from . import allocator
+
+        allocator.keep_freed_memory()
+    if keras_wraps_ddp():
         return
     if spec.sync_batch_norm:
         import torch.distributed.nn.functional as dist_functional

@@ -3,16 +3,16 @@
 A Keras ``fit`` step on torch allocates and frees tens of megabytes (activations, gradients, the batch, the
 gradient buffer). glibc hands blocks above its mmap threshold (at most 32 MiB, adapted at run time) to
 ``mmap``/``munmap`` and trims the heap's free top above twice that threshold, so each step gets fresh pages
-from the kernel again: about 1,500 page faults and 2 ms of system time a step in bench/bench_torch.py, more
-than kerasdist's whole all-reduce path. With the thresholds below blocks up to 64 MiB come from the heap and
-up to 512 MiB of freed heap is kept, as torch's own CPU launcher gets by preloading jemalloc or tcmalloc.
+from the kernel again: 1,400-2,600 page faults and 3.7-6 ms of system time a step in bench/bench_torch.py's
+set-up (1.6-2.3 ms with the thresholds raised). With the thresholds below, blocks up to 64 MiB come from the
+heap and up to 512 MiB of freed heap is kept, as torch's own CPU launcher gets by preloading jemalloc or tcmalloc.
 
-Left alone when the user chose an allocator (``LD_PRELOAD``) or glibc's tunables (``MALLOC_*`` variables,
-``GLIBC_TUNABLES``), on a libc other than glibc, and with ``keep_freed_memory=False``.
+Left alone when the user chose an allocator (``LD_PRELOAD``) or glibc's tunables (``GLIBC_TUNABLES``,
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``), on a libc
+other than glibc, and with ``keep_freed_memory=False``.
 """
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
@@ -29,14 +29,21 @@ _applied = None
 def keep_freed_memory(environ=None):
     """Set glibc's thresholds once per process; returns why not (a sentence) or None when they are set."""
     global _applied
-    if _applied is not None:
-        return _applied or None
-    _applied = _why_not(os.environ if environ is None else environ) or ""
-    if not _applied:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
-            _applied = "glibc's mallopt refused the thresholds"
+    if _applied is None:
+        _applied = _why_not(os.environ if environ is None else environ) or _set_thresholds() or ""
     return _applied or None
+
+
+def _set_thresholds():
+    """None when set, else why not. An older glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2
+    (32 MiB on 64-bit): 32 MiB there."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library, glibc here
+        trimmed = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        mapped = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) or mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    except (OSError, AttributeError) as exc:
+        return f"glibc's mallopt could not be called ({type(exc).__name__}: {exc})"
+    return None if trimmed and mapped else "glibc's mallopt refused the thresholds"
 
 
 def status():
