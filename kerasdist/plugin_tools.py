@@ -211,9 +211,9 @@ def split_batches(dataset, rank, size):
 
         def part(*element):
             structure = element[0] if len(element) == 1 else element
-            rows = tf.shape(tf.nest.flatten(structure)[0])[0]
+            rows = tf.shape(tf.nest.flatten(structure)[0], out_type=tf.int64)[0]
             start, stop = rows * rank // size, rows * (rank + 1) // size
-            return tf.nest.map_structure(lambda t: t[start:stop], structure)
+            return tf.nest.map_structure(lambda t: _rows(tf, t, start, stop), structure)
 
         return dataset.map(part)
     import keras
@@ -226,6 +226,15 @@ def split_batches(dataset, rank, size):
     if isinstance(dataset, keras.utils.PyDataset):
         return _part_of_each_batch(dataset, rows_of)
     return (rows_of(batch) for batch in dataset)
+
+
+def _rows(tf, tensor, start, stop):
+    """Rows ``[start, stop)`` of a dense, ragged or sparse tensor."""
+    if isinstance(tensor, tf.SparseTensor):
+        rest = tensor.dense_shape[1:]
+        return tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0),
+                               tf.concat([[stop - start], rest], 0))
+    return tensor[start:stop]
 
 
 def _part_of_each_batch(dataset, part):

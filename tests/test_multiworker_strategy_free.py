@@ -45,7 +45,7 @@ def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path,
 
 
 CUSTOM_VARIANTS = ("first", "lower", "two")
-INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share")
+INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share", "sparse_dataset")
 
 
 @pytest.mark.slow

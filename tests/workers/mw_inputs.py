@@ -4,7 +4,7 @@
 
 Cases: ``py_dataset`` (a keras.utils.PyDataset of global batches; ``py_dataset_shuffled``: fit shuffles their order),
 ``generator`` (a generator of global batches),
-``sum_loss`` (MeanSquaredError(reduction="sum")), ``empty_share`` (BatchNormalization, and a last batch of 1 row:
+``sparse_dataset`` (a tf.data.Dataset of SparseTensor inputs), ``sum_loss`` (MeanSquaredError(reduction="sum")), ``empty_share`` (BatchNormalization, and a last batch of 1 row:
 one worker's share is empty), each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the
 history}.
 """
@@ -33,7 +33,9 @@ def train(case):
         def __getitem__(self, index):
             return x[index * BATCH:(index + 1) * BATCH], y[index * BATCH:(index + 1) * BATCH]
 
-    layers = [keras.Input((5,)), keras.layers.Dense(4, activation="tanh")]
+    if case == "sparse_dataset":
+        x = np.where(x > 0.6, x, 0.0).astype("float32")
+    layers = [keras.Input((5,), sparse=case == "sparse_dataset"), keras.layers.Dense(4, activation="tanh")]
     if case == "empty_share":
         layers.append(keras.layers.BatchNormalization())
     model = keras.Sequential(layers + [keras.layers.Dense(1)])
@@ -47,6 +49,11 @@ def train(case):
             for _ in range(2):
                 yield from (Batches()[i] for i in range(STEPS))
         history = model.fit(batches(), steps_per_epoch=STEPS, epochs=2, verbose=0)
+    elif case == "sparse_dataset":  # rows of SparseTensors are cut with tf.sparse.slice
+        import tensorflow as tf
+
+        batches = tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(x), y)).batch(BATCH)
+        history = model.fit(batches, epochs=2, verbose=0)
     else:
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     w = np.concatenate([np.ravel(v) for v in model.get_weights()])
