@@ -6,6 +6,7 @@ message per step; and KERASDIST_STRATEGY_FREE=off, MultiWorkerMirroredStrategy's
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -164,6 +165,24 @@ def test_jit_compile_true_on_cpu_workers_is_an_error_naming_the_fix(tmp_path, st
         assert any(line.startswith(f"[{rank}] ") and "KerasdistError: distribute='multiworker' on CPU workers cannot "
                    "train with jit_compile=True" in line for line in failed.stdout.splitlines()), failed.stdout[-3000:]
     assert "Pass jit_compile=False or 'auto'" in failed.stdout and "EPOCH_BEGIN" not in failed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("settings", ["on,off", "auto,on"])
+def test_workers_with_different_strategy_free_settings_fail_at_compile_naming_each(settings):
+    """Before, the workers took different steps (or one probed and one did not) and waited on each other."""
+    started = time.monotonic()
+    failed = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", INPUTS, "py_dataset", "multiworker"],
+                 timeout=150, check=False, env=child_env(TEST_STRATEGY_FREE_BY_WORKER=settings))
+    first, second = settings.split(",")
+    message = (f"ClusterConfigError: KERASDIST_STRATEGY_FREE differs between the workers (worker 0: {first}, "
+               f"worker 1: {second})")
+    assert failed.returncode != 0 and "RESULT" not in failed.stdout, failed.stdout[-3000:]
+    for rank in (0, 1):
+        assert any(line.startswith(f"[{rank}] ") and message in line for line in failed.stdout.splitlines()), \
+            failed.stdout[-3000:]
+    assert time.monotonic() - started < 120
 
 
 NOTICE = "[0] kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FREE=on)"

@@ -15,12 +15,12 @@ import kerasdist
 from kerasdist import ClusterConfigError, KerasdistError
 from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups, set_process_group
 
-from .gradients import agree_on_ring, gradient_transport, use_ring
+from .gradients import agree_on_ring, all_gather_text, gradient_transport, use_ring
 from .probe import keep_ring_if_faster
 from .join import TooLate, check_port_free, join_cluster, state
 from .options import (BACKUP_DIR_VAR, BYTES_PER_PACK_VAR, COLLECTIVE_TIMEOUT_VAR, COMMUNICATION_VAR,
-                      DEFAULT_JOIN_TIMEOUT, JOIN_TIMEOUT_VAR, SCRATCH_DIR_VAR, CollectiveOptions, MultiWorker,
-                      check_options_match, check_spec)
+                      DEFAULT_JOIN_TIMEOUT, JOIN_TIMEOUT_VAR, SCRATCH_DIR_VAR, STRATEGY_FREE_VAR, CollectiveOptions,
+                      MultiWorker, check_options_match, check_spec)
 
 __all__ = ["MultiWorker", "CollectiveOptions", "gradient_transport", "check_port_free", "is_worker_cluster",
            "BACKUP_DIR_VAR", "BYTES_PER_PACK_VAR", "COLLECTIVE_TIMEOUT_VAR", "COMMUNICATION_VAR",
@@ -143,6 +143,7 @@ def _trains_strategy_free(spec):
     from . import strategy_free  # imports Keras: not at plugin loading
 
     mode = strategy_free.setting(os.environ)
+    _check_every_worker_has(mode)
     if mode == "off" or not strategy_free.supports(spec):
         return False
     if state.ring is None:
@@ -156,6 +157,21 @@ def _trains_strategy_free(spec):
     if state.ring:  # other plugins (quantize's ranges) reduce across the workers through it
         set_process_group(state.ring.size, state.ring.rank, state.ring.sum_tensors)
     return bool(state.ring)
+
+
+def _check_every_worker_has(mode):
+    """At the first compile: every worker's KERASDIST_STRATEGY_FREE, which must match (else they would take
+    different steps and wait on each other's collectives for ever)."""
+    if state.strategy_free_setting is None:
+        settings, _ = all_gather_text(state.strategy, mode)
+        if len(set(settings)) > 1:
+            state.error = ClusterConfigError(
+                f"{STRATEGY_FREE_VAR} differs between the workers ("
+                + ", ".join(f"worker {i}: {value}" for i, value in enumerate(settings))
+                + "), so they would train with different steps: give every worker the same value (`kerasdist "
+                "launch` passes its own environment to every worker), or unset it (auto).")
+            raise state.error
+        state.strategy_free_setting = mode
 
 
 def _strategy_free(strategy):

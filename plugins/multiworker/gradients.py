@@ -62,7 +62,7 @@ def agree_on_ring(strategy, cluster, options):
         except OSError as exc:
             offer = f"?cannot listen on {host}: {exc}"
     token = secrets.token_hex(16)  # this worker's share of the job's ring secret
-    offers, rank = _all_gather_text(strategy, f"{token}|{options.communication}|{offer}")
+    offers, rank = all_gather_text(strategy, f"{token}|{options.communication}|{offer}")
     secret = hashlib.sha256("".join(text.split("|", 1)[0] for text in offers).encode()).digest()
     settings = [text.split("|", 2)[1] for text in offers]
     offers = [text.split("|", 2)[2] for text in offers]
@@ -77,7 +77,7 @@ def agree_on_ring(strategy, cluster, options):
                                             connect_timeout=RING_CONNECT_TIMEOUT, secret=secret)
         except (OSError, tcp_ring.RingError) as exc:
             outcome = f"?cannot connect the ring: {exc}"
-        offers, _ = _all_gather_text(strategy, outcome)
+        offers, _ = all_gather_text(strategy, outcome)
     refusals = _refusals(offers)
     if not refusals:
         return ring
@@ -115,7 +115,7 @@ def _ring_refusal(strategy, options):
 _TEXT_WIDTH = 512
 
 
-def _all_gather_text(strategy, text):
+def all_gather_text(strategy, text):
     """Every worker's ``text`` (in replica order) and this worker's replica index."""
     import numpy as np
     import tensorflow as tf

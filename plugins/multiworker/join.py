@@ -21,6 +21,7 @@ class state:
     error = None
     ring = None  # the TcpRing, False when the workers agreed on TensorFlow's collectives
     said_strategy_free = False  # the chief's one line saying KERASDIST_STRATEGY_FREE=on took effect
+    strategy_free_setting = None  # KERASDIST_STRATEGY_FREE, once every worker was found to have the same
 
 
 class TooLate(KerasdistError):

@@ -11,12 +11,16 @@ history}.
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
 
 import json
+import os
 import sys
 
 import keras
 import numpy as np
 
 cases, word = sys.argv[1].split(","), sys.argv[2]
+if os.environ.get("TEST_STRATEGY_FREE_BY_WORKER"):  # a bad set-up: each worker its own KERASDIST_STRATEGY_FREE
+    os.environ["KERASDIST_STRATEGY_FREE"] = \
+        os.environ["TEST_STRATEGY_FREE_BY_WORKER"].split(",")[kerasdist.detect_cluster().task_index]
 BATCH, STEPS = 16, 4
 
 
