@@ -220,8 +220,9 @@ def split_batches(dataset, rank, size):
 
     def rows_of(batch):
         first = next(leaf for leaf in keras.tree.flatten(batch) if leaf is not None)
-        start, stop = len(first) * rank // size, len(first) * (rank + 1) // size
-        return keras.tree.map_structure(lambda t: None if t is None else t[start:stop], batch)
+        rows = int(first.shape[0])
+        start, stop = rows * rank // size, rows * (rank + 1) // size
+        return keras.tree.map_structure(lambda t: None if t is None else _rows(None, t, start, stop), batch)
 
     if isinstance(dataset, keras.utils.PyDataset):
         return _part_of_each_batch(dataset, rows_of)
@@ -229,12 +230,18 @@ def split_batches(dataset, rank, size):
 
 
 def _rows(tf, tensor, start, stop):
-    """Rows ``[start, stop)`` of a dense, ragged or sparse tensor."""
-    if isinstance(tensor, tf.SparseTensor):
-        rest = tensor.dense_shape[1:]
-        return tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0),
-                               tf.concat([[stop - start], rest], 0))
-    return tensor[start:stop]
+    """Rows ``[start, stop)`` of an array or a dense, ragged or sparse tensor (``tf``: TensorFlow, or None when
+    it may not be imported: it then is only for a SparseTensor, which TensorFlow made)."""
+    if type(tensor).__name__ != "SparseTensor":
+        return tensor[start:stop]
+    if tf is None:
+        import tensorflow as tf
+    rest = tensor.dense_shape[1:]
+    start, stop = tf.cast(start, tf.int64), tf.cast(stop, tf.int64)
+    part = tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0), tf.concat([[stop - start], rest], 0))
+    if tensor.shape.rank is not None:  # tf.sparse.slice forgets the static shape past the rows
+        part.set_shape([None] + tensor.shape[1:].as_list())
+    return part
 
 
 def _part_of_each_batch(dataset, part):

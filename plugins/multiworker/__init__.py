@@ -142,8 +142,8 @@ def _trains_strategy_free(spec):
     TensorFlow's collectives) at the first compile that could use it; every worker reaches the same answer."""
     from . import strategy_free  # imports Keras: not at plugin loading
 
+    _check_every_worker_has(os.environ.get(STRATEGY_FREE_VAR, ""))
     mode = strategy_free.setting(os.environ)
-    _check_every_worker_has(mode)
     if mode == "off" or not strategy_free.supports(spec):
         return False
     if state.ring is None:
@@ -159,19 +159,22 @@ def _trains_strategy_free(spec):
     return bool(state.ring)
 
 
-def _check_every_worker_has(mode):
-    """At the first compile: every worker's KERASDIST_STRATEGY_FREE, which must match (else they would take
-    different steps and wait on each other's collectives for ever)."""
+def _check_every_worker_has(value):
+    """At the first compile: every worker's KERASDIST_STRATEGY_FREE (as given, checked after), which must match
+    (else they would take different steps and wait on each other's collectives for ever)."""
+    value = value.strip().lower() or "auto"
     if state.strategy_free_setting is None:
-        settings, _ = all_gather_text(state.strategy, mode)
-        if len(set(settings)) > 1:
+        cluster = state.cluster
+        texts, _ = all_gather_text(state.strategy, f"{cluster.task_type} {cluster.task_index}|{value}")
+        tasks = list(dict.fromkeys(texts))  # one row per replica: a worker with 2 GPUs gives two
+        if len({text.split("|", 1)[1] for text in tasks}) > 1:
             state.error = ClusterConfigError(
                 f"{STRATEGY_FREE_VAR} differs between the workers ("
-                + ", ".join(f"worker {i}: {value}" for i, value in enumerate(settings))
+                + ", ".join(": ".join(text.split("|", 1)) for text in tasks)
                 + "), so they would train with different steps: give every worker the same value (`kerasdist "
                 "launch` passes its own environment to every worker), or unset it (auto).")
             raise state.error
-        state.strategy_free_setting = mode
+        state.strategy_free_setting = value
 
 
 def _strategy_free(strategy):
