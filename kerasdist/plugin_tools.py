@@ -213,7 +213,7 @@ def split_batches(dataset, rank, size):
             structure = element[0] if len(element) == 1 else element
             rows = tf.shape(tf.nest.flatten(structure)[0], out_type=tf.int64)[0]
             start, stop = rows * rank // size, rows * (rank + 1) // size
-            return tf.nest.map_structure(lambda t: _rows(tf, t, start, stop), structure)
+            return tf.nest.map_structure(lambda t: _rows(t, start, stop), structure)
 
         return dataset.map(part)
     import keras
@@ -222,20 +222,19 @@ def split_batches(dataset, rank, size):
         first = next(leaf for leaf in keras.tree.flatten(batch) if leaf is not None)
         rows = int(first.shape[0])
         start, stop = rows * rank // size, rows * (rank + 1) // size
-        return keras.tree.map_structure(lambda t: None if t is None else _rows(None, t, start, stop), batch)
+        return keras.tree.map_structure(lambda t: None if t is None else _rows(t, start, stop), batch)
 
     if isinstance(dataset, keras.utils.PyDataset):
         return _part_of_each_batch(dataset, rows_of)
     return (rows_of(batch) for batch in dataset)
 
 
-def _rows(tf, tensor, start, stop):
-    """Rows ``[start, stop)`` of an array or a dense, ragged or sparse tensor (``tf``: TensorFlow, or None when
-    it may not be imported: it then is only for a SparseTensor, which TensorFlow made)."""
-    if type(tensor).__name__ != "SparseTensor":
+def _rows(tensor, start, stop):
+    """Rows ``[start, stop)`` of an array or a dense, ragged or sparse tensor."""
+    if type(tensor).__name__ != "SparseTensor":  # TensorFlow is imported only for what it made
         return tensor[start:stop]
-    if tf is None:
-        import tensorflow as tf
+    import tensorflow as tf
+
     rest = tensor.dense_shape[1:]
     start, stop = tf.cast(start, tf.int64), tf.cast(stop, tf.int64)
     part = tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0), tf.concat([[stop - start], rest], 0))

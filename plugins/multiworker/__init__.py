@@ -142,7 +142,7 @@ def _trains_strategy_free(spec):
     TensorFlow's collectives) at the first compile that could use it; every worker reaches the same answer."""
     from . import strategy_free  # imports Keras: not at plugin loading
 
-    _check_every_worker_has(os.environ.get(STRATEGY_FREE_VAR, ""))
+    _check_every_worker_has(strategy_free.given_setting(os.environ))
     mode = strategy_free.setting(os.environ)
     if mode == "off" or not strategy_free.supports(spec):
         return False
@@ -162,7 +162,6 @@ def _trains_strategy_free(spec):
 def _check_every_worker_has(value):
     """At the first compile: every worker's KERASDIST_STRATEGY_FREE (as given, checked after), which must match
     (else they would take different steps and wait on each other's collectives for ever)."""
-    value = value.strip().lower() or "auto"
     if state.strategy_free_setting is None:
         cluster = state.cluster
         texts, _ = all_gather_text(state.strategy, f"{cluster.task_type} {cluster.task_index}|{value}")

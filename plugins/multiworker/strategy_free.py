@@ -28,12 +28,17 @@ _exchanges = weakref.WeakKeyDictionary()
 def setting(environ):
     """``KERASDIST_STRATEGY_FREE``: "auto" (the default: strategy-free when the workers agree on the TCP ring and
     ``auto``'s probe keeps it), "on" (the same, probe or not) or "off" (MultiWorkerMirroredStrategy's step)."""
-    value = environ.get(STRATEGY_FREE_VAR, "auto").strip().lower() or "auto"
+    value = given_setting(environ)
     if value not in ("auto", "on", "off"):
         raise KerasdistError(f"{STRATEGY_FREE_VAR}={value!r} is not valid; choose auto (the default: multiworker "
                              "trains without a tf.distribute strategy, over the TCP ring, when the ring runs and "
                              "is faster), on (over the ring whenever it runs) or off (MultiWorkerMirroredStrategy).")
     return value
+
+
+def given_setting(environ):
+    """``KERASDIST_STRATEGY_FREE`` as given (stripped, lower case; unset: "auto"), not yet checked."""
+    return environ.get(STRATEGY_FREE_VAR, "auto").strip().lower() or "auto"
 
 
 class _Exchange:
