@@ -57,6 +57,8 @@ __all__ = [
     # the PyTorch backend
     "keras_wraps_ddp", "keras_step_order_is_known", "mean_state", "compiled_metrics", "synchronize_torch_batch_norm",
     "replace_variable_tensor",
+    # custom training steps (any backend)
+    "optimizers_held_by",
     # kerasdist's private, identity-checked BackupAndRestore backups: private_backups.add_backup(call_kwargs, spec,
     # model, strategy, fit_index, chief, scratch) (spec.backup_dir; strategy.num_replicas_in_sync)
     "private_backups",
@@ -357,3 +359,20 @@ def replicas_train_as_one_device(compile_kwargs, model, strategy, sync_batch_nor
     accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
     if sync_batch_norm:
         synchronize_batch_norm(model)
+
+
+# -- custom training steps (any backend) ---------------------------------------------------------
+
+def optimizers_held_by(model):
+    """Every optimizer ``model`` trains with: ``model.optimizer`` first, then each other
+    ``keras.optimizers.Optimizer`` held as an attribute of the model (a GAN's ``d_optimizer`` and
+    ``g_optimizer``, set in its own ``compile``). The outermost only: a LossScaleOptimizer, not its inner one."""
+    import keras
+
+    found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
+    inner = {id(getattr(o, "inner_optimizer", None)) for o in found}
+    for value in vars(model).values():
+        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
+            found.append(value)
+            inner.add(id(getattr(value, "inner_optimizer", None)))
+    return [o for o in found if id(o) not in inner]
