@@ -1,17 +1,19 @@
-"""Cluster detection (TF_CONFIG, Slurm) through TensorFlow's resolvers, and "auto"."""
+"""Cluster detection (TF_CONFIG, a Slurm step's own variables, placement as Slurm documents it), and "auto"."""
 
 import json
 import os
 import re
 import stat
 import subprocess
+import sys
 
 import pytest
 import yaml
 
 import kerasdist
-from kerasdist import ClusterConfigError, ClusterInfo
+from kerasdist import ClusterConfigError, ClusterInfo, cli, launch
 from kerasdist_plugins import cluster_env, multiworker
+from kerasdist_plugins.cluster_env import slurm
 from tests.helpers import ROOT, child_env, run
 
 EXAMPLES = os.path.join(ROOT, "examples", "multiworker")
@@ -56,20 +58,118 @@ def test_bad_tf_config_is_one_clear_error(raw, needle):
 
 def _slurm(procid, tasks="4", nodes="node[1-2]", per_node="2(x2)", **extra):
     return {"SLURM_PROCID": str(procid), "SLURM_STEP_NUM_TASKS": tasks, "SLURM_STEP_NODELIST": nodes,
-            "SLURM_STEP_TASKS_PER_NODE": per_node, "CUDA_VISIBLE_DEVICES": "", **extra}
+            "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_JOB_ID": "1234", "SLURM_STEP_ID": "0", **extra}
 
 
-def test_slurm_step_resolves_through_slurm_cluster_resolver():
-    info = cluster_env.kerasdist_detect_cluster(_slurm(3))
-    assert info.source == "slurm" and (info.task_type, info.task_index) == ("worker", 3)
-    assert info.cluster == {"worker": ["node1:8888", "node1:8889", "node2:8888", "node2:8889"]}
-    assert "SLURM_PROCID" not in os.environ  # the resolver saw a temporary environment only
+# Slurm's documented placement (srun -m): block fills each node in turn; cyclic deals one task to each node
+# with room, round after round. Node order is the node list's (node9 before node10), not alphabetical.
+PLACEMENTS = {
+    ("node[9-10]", "2(x2)", "block"): ["node9/0", "node9/1", "node10/0", "node10/1"],
+    ("node[9-10]", "2(x2)", "cyclic"): ["node9/0", "node10/0", "node9/1", "node10/1"],
+    ("n[1-2]", "2,1", "block"): ["n1/0", "n1/1", "n2/0"],
+    ("n[1-2]", "2,1", "cyclic"): ["n1/0", "n2/0", "n1/1"],
+    ("b,a[10-11]", "1,3,1", "cyclic"): ["b/0", "a10/0", "a11/0", "a10/1", "a10/2"],
+    ("gpu[01-03,7]", "2(x3),1", "block"): ["gpu01/0", "gpu01/1", "gpu02/0", "gpu02/1", "gpu03/0", "gpu03/1", "gpu7/0"],
+}
 
 
-def test_slurm_port_base_and_single_task():
-    info = cluster_env.kerasdist_detect_cluster(_slurm(0, KERASDIST_SLURM_PORT_BASE="9000"))
-    assert info.cluster["worker"][0] == "node1:9000"
+def _as_slurm_gives_it(nodes, per_node, distribution, table, rank):
+    """The variables Slurm sets for task ``rank`` of a step laid out as ``table`` ("node/local id" per rank)."""
+    node, local = table[rank].split("/")
+    mates = ",".join(str(r) for r, place in enumerate(table) if place.split("/")[0] == node)
+    extra = {"SLURM_DISTRIBUTION": distribution} if distribution != "block" else {}
+    return _slurm(rank, tasks=str(len(table)), nodes=nodes, per_node=per_node, SLURMD_NODENAME=node,
+                  SLURM_LOCALID=local, SLURM_GTIDS=mates, **extra)
+
+
+@pytest.mark.parametrize("key", list(PLACEMENTS), ids=["-".join(k) for k in PLACEMENTS])
+def test_slurm_step_places_every_task_where_slurm_does(key):
+    table = PLACEMENTS[key]
+    infos = [cluster_env.kerasdist_detect_cluster(_as_slurm_gives_it(*key, table, rank)) for rank in range(len(table))]
+    base = infos[0].extra["port_base"]
+    expected = [f"{place.split('/')[0]}:{base + int(place.split('/')[1])}" for place in table]
+    assert [(i.source, i.task_index) for i in infos] == [("slurm", r) for r in range(len(table))]
+    assert all(i.cluster == {"worker": expected} for i in infos)
+    assert infos[0].is_chief and not any(i.is_chief for i in infos[1:])
+
+
+def test_slurm_host_list_and_tasks_per_node_syntax():
+    assert slurm.expand_hostlist("node[9-10],gpu[01-03,7]") == ["node9", "node10", "gpu01", "gpu02", "gpu03", "gpu7"]
+    assert slurm.expand_hostlist("r[1-2]n[08-09]") == ["r1n08", "r1n09", "r2n08", "r2n09"]
+    assert slurm.expand_hostlist("login") == ["login"]
+    assert slurm.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("environ,needle", [
+    # TF's resolver took a sorted host list and block slots: rank 0 of node[9-10] would have been node10
+    (dict(_slurm(0, nodes="node[9-10]"), SLURMD_NODENAME="node10"), "SLURMD_NODENAME='node10' .derived: 'node9'"),
+    # tasks placed cyclically while the step's variables say block
+    (dict(_slurm(1), SLURMD_NODENAME="node2", SLURM_LOCALID="0"), "SLURMD_NODENAME='node2' .derived: 'node1'"),
+    (dict(_slurm(2), SLURM_GTIDS="0,2"), "SLURM_GTIDS='0,2' .derived: '2,3'"),
+    (_slurm(0, SLURM_DISTRIBUTION="arbitrary"), "'arbitrary'.*--distribution=block.*TF_CONFIG"),
+    (_slurm(0, SLURM_DISTRIBUTION="plane=2"), "a block or cyclic distribution only"),
+    (_slurm(0, nodes="node[1-3]"), "do not describe SLURM_STEP_NUM_TASKS=4"),
+    (_slurm(0, nodes="node[3-1]"), "rising range"),
+    (_slurm(0, nodes="node[1-2"), "unbalanced brackets"),
+    (_slurm(0, per_node="2(x)"), "not a task count list"),
+    (_slurm(4), "SLURM_PROCID=4 is outside"),
+    (_slurm(0, SLURM_STEP_NODELIST=""), "SLURM_STEP_NODELIST is not set"),
+    (_slurm(0, KERASDIST_SLURM_PORT_BASE="65535"), "must lie in 1..65535"),
+    (_slurm(0, tasks="130", nodes="big", per_node="130"), "set KERASDIST_SLURM_PORT_BASE"),
+], ids=["sorted-hosts", "cyclic-as-block", "gtids", "arbitrary", "plane", "count-mismatch", "falling-range",
+        "brackets", "per-node-syntax", "procid", "no-nodelist", "port-base-range", "too-many-per-node"])
+def test_slurm_layout_that_cannot_be_derived_is_one_clear_error(environ, needle):
+    with pytest.raises(ClusterConfigError, match=needle):
+        cluster_env.kerasdist_detect_cluster(environ)
+
+
+def test_slurm_ports_follow_the_job_and_step_and_can_be_set():
+    bases = {(job, step): cluster_env.from_slurm(_slurm(0, SLURM_JOB_ID=job, SLURM_STEP_ID=step)).extra["port_base"]
+             for job in ("1234", "1235", "99999") for step in ("0", "1")}
+    assert len(set(bases.values())) == len(bases)  # jobs and steps sharing a node do not collide
+    assert all(slurm.PORT_LOW <= b and b + slurm.PORT_BLOCK <= slurm.PORT_HIGH <= 32768 for b in bases.values())
+    info = cluster_env.from_slurm(_slurm(3, KERASDIST_SLURM_PORT_BASE="9000"))
+    assert info.cluster["worker"] == ["node1:9000", "node1:9001", "node2:9000", "node2:9001"]
+
+
+def test_slurm_single_task_step_and_batch_script_are_one_process():
     assert cluster_env.kerasdist_detect_cluster(_slurm(0, tasks="1", nodes="n1", per_node="1")) is None
+    # sbatch --ntasks=2 running `python train.py` itself: the allocation's variables, no step of tasks
+    batch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_ID": "7"}
+    assert cluster_env.kerasdist_detect_cluster(batch) is None
+    assert cluster_env.kerasdist_detect_cluster(dict(batch, SLURM_STEP_ID="4294967294",
+                                                     SLURM_STEP_NUM_TASKS="2")) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_slurm_batch_script_trains_at_once_and_torch_reads_slurm_without_tensorflow():
+    """A batch script outside srun: `import kerasdist` is one process at once, saying so once (it waited
+    300 s for a cluster); an srun task on torch resolves its step without importing TensorFlow."""
+    code = ("import sys, time; t = time.monotonic(); import kerasdist; from kerasdist_plugins import cluster_env\n"
+            "print('source', kerasdist.detect_cluster().source, round(time.monotonic() - t))\n"
+            f"info = cluster_env.kerasdist_detect_cluster({_slurm(1, tasks='2', nodes='n1', per_node='2')!r})\n"
+            "print('step', info.task_index, info.cluster['worker'][1].startswith('n1:'), "
+            "'tensorflow' in sys.modules)")
+    env = child_env(KERAS_BACKEND="torch", SLURM_PROCID="0", SLURM_NTASKS="2", SLURM_JOB_NODELIST="n[1-2]",
+                    SLURM_JOB_ID="7")
+    result = run([sys.executable, "-c", code], timeout=100, env=env)
+    seconds = int(result.stdout.split("source local ")[1].split()[0])
+    assert seconds < 30 and "step 1 True False" in result.stdout, result.stdout
+    assert result.stdout.count("Slurm batch script outside srun") == 1, result.stdout
+
+
+def test_launch_inside_a_multi_task_srun_step_is_refused(monkeypatch, capsys):
+    child = os.path.join(ROOT, "tests", "workers", "launch_child.py")
+    for name, value in _slurm(1, tasks="2", nodes="n1", per_node="2").items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["launch", "-n", "2", child, "ok", "."]) == 2
+    err = capsys.readouterr().err
+    assert "one of the 2 tasks of an srun step" in err
+    assert "srun --ntasks 2 python train.py" in err and "srun --ntasks 1 kerasdist launch -n N" in err
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # `srun --ntasks 1 kerasdist launch -n 2`: fine
+    envs = launch.worker_environments(cli.build_parser().parse_args(["launch", "-n", "2", child]))
+    assert [json.loads(e["TF_CONFIG"])["task"]["index"] for e in envs] == [0, 1]
 
 
 def test_tf_config_wins_over_slurm():
@@ -151,13 +251,13 @@ def test_kubernetes_manifest_parses_and_its_tf_config_resolves(tmp_path):
 def test_slurm_sbatch_environment_resolves(tmp_path):
     text = open(os.path.join(EXAMPLES, "slurm.sbatch")).read()
     assert re.search(r"^srun .*python examples/multiworker/train\.py", text, re.M)
-    tasks = int(text.split("--ntasks-per-node=")[1].split()[0]) * int(text.split("--nodes=")[1].split()[0])
+    nodes = int(text.split("--nodes=")[1].split()[0])
     per_node = int(text.split("--ntasks-per-node=")[1].split()[0])
-    infos = [cluster_env.from_slurm(_slurm(r, tasks=str(tasks), nodes="gpu[07-08]",
-                                           per_node=f"{per_node}(x2)", CUDA_VISIBLE_DEVICES="0,1"))
-             for r in range(tasks)]
-    assert [i.task_index for i in infos] == list(range(tasks))
-    assert infos[0].cluster["worker"][0] == "gpu07:8888" and infos[-1].cluster["worker"][-1].startswith("gpu08:")
+    table = [f"gpu{n:02d}/{local}" for n in range(7, 7 + nodes) for local in range(per_node)]
+    infos = [cluster_env.from_slurm(_as_slurm_gives_it(f"gpu[07-{6 + nodes:02d}]", f"{per_node}(x{nodes})",
+                                                       "block", table, rank)) for rank in range(len(table))]
+    assert [i.task_index for i in infos] == list(range(len(table)))
+    assert infos[0].cluster["worker"][0].startswith("gpu07:") and infos[-1].cluster["worker"][-1].startswith("gpu08:")
 
 
 def test_ray_snippet_tf_config_shape_resolves():

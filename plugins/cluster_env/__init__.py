@@ -1,31 +1,29 @@
-"""Cluster detection through TensorFlow's own resolvers: TF_CONFIG, then Slurm.
+"""Cluster detection: TF_CONFIG (through TensorFlow's resolver when installed), then Slurm.
 
 TF_CONFIG is what Kubeflow's TFJob, Ray Train, a hand-written Kubernetes manifest
-and ``kerasdist launch`` set. Slurm is read from an ``srun`` step's variables
-(one task per worker). Horovod/MPI variables belong to the horovod plugin.
+and ``kerasdist launch`` set. Slurm is read from an ``srun`` step's own variables
+(one task per worker; :mod:`.slurm`, no TensorFlow). Horovod/MPI variables belong
+to the horovod plugin.
 """
 
 import contextlib
 import importlib.util
 import json
 import os
-import shutil
 
 import kerasdist
 from kerasdist import ClusterConfigError, ClusterInfo
 from kerasdist.plugin_tools import split_address
 
+from . import slurm
+
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
-SLURM_PORT_BASE_VAR = "KERASDIST_SLURM_PORT_BASE"
-DEFAULT_SLURM_PORT_BASE = 8888
-_SLURM_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_STEP_NODELIST",
-               "SLURM_STEP_TASKS_PER_NODE", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
-               "SLURM_TASKS_PER_NODE", "CUDA_VISIBLE_DEVICES")
 
 
 @kerasdist.hookimpl
 def kerasdist_detect_cluster(environ):
-    """TF_CONFIG first, then a Slurm step with more than one task; None otherwise."""
+    """TF_CONFIG first, then a Slurm step with more than one task; None otherwise (a batch script outside
+    srun is one process)."""
     if environ.get("TF_CONFIG", "").strip():
         return from_tf_config(environ)
     if "SLURM_PROCID" in environ:
@@ -125,54 +123,8 @@ def validate(cluster, task_type, task_index, source):
 # -- Slurm ------------------------------------------------------------------------
 
 def from_slurm(environ):
-    """The cluster of an ``srun`` step (one worker per task), or None for a single task."""
-    import tensorflow as tf
-
-    tasks = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS")
-    if tasks is None or int(tasks) <= 1:
-        return None
-    port_base = _int(environ.get(SLURM_PORT_BASE_VAR, DEFAULT_SLURM_PORT_BASE), SLURM_PORT_BASE_VAR)
-    fallbacks = {"SLURM_STEP_NUM_TASKS": tasks,
-                 "SLURM_STEP_NODELIST": environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
-                 or environ.get("SLURM_NODELIST"),
-                 "SLURM_STEP_TASKS_PER_NODE": environ.get("SLURM_STEP_TASKS_PER_NODE")
-                 or environ.get("SLURM_TASKS_PER_NODE")}
-    missing = [name for name, value in fallbacks.items() if not value]
-    if missing:
-        raise ClusterConfigError(f"Slurm: SLURM_PROCID is set but {', '.join(missing)} is not; run the "
-                                 "script with `srun` inside the allocation (see examples/multiworker/slurm.sbatch).")
-    with _environment({**environ, **fallbacks}, _SLURM_VARS):
-        gpus = _visible_gpu_count(environ)
-        try:
-            # With no GPU it cannot place 0 GPUs per task: give it one placeholder per task.
-            placement = {} if gpus else {"gpus_per_node": int(tasks), "gpus_per_task": 1}
-            resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
-                port_base=port_base, auto_set_gpu=False, **placement)
-            cluster = resolver.cluster_spec().as_dict()
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise ClusterConfigError(f"Slurm: could not resolve the job step's cluster ({exc}); check "
-                                     "SLURM_STEP_NODELIST / SLURM_STEP_TASKS_PER_NODE.") from None
-        task_type, task_index = resolver.task_type, resolver.task_id
-    cluster = {job: list(addresses) for job, addresses in cluster.items()}
-    validate(cluster, task_type, task_index, source="Slurm")
-    return ClusterInfo(task_type=task_type, task_index=int(task_index), cluster=cluster, source="slurm",
-                       extra={"port_base": port_base})
-
-
-def _visible_gpu_count(environ):
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    return None  # let the resolver ask nvidia-smi
-
-
-def _int(value, name):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ClusterConfigError(f"{name}={value!r} is not a whole number (a TCP port, e.g. 8888).") from None
+    """The cluster of an ``srun`` step (one worker per task), or None for one task or a batch script."""
+    return slurm.detect(environ)
 
 
 @contextlib.contextmanager
@@ -201,6 +153,8 @@ def _environment(environ, names):
 
 @kerasdist.hookimpl
 def kerasdist_launch_environment(worker, environ):
-    """Each worker of ``kerasdist launch`` gets a TF_CONFIG naming every worker's address."""
+    """Each worker of ``kerasdist launch`` gets a TF_CONFIG naming every worker's address (refused inside
+    a multi-task srun step: each task would launch a whole cluster)."""
+    slurm.refuse_launch_in_step(environ)
     environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(worker.addresses)},
                                        "task": {"type": "worker", "index": worker.index}})
