@@ -3,7 +3,8 @@
 Like ``torchrun --standalone``: free ports are picked on 127.0.0.1, each worker's
 output is streamed with a ``[i]`` prefix, SIGINT/SIGTERM are forwarded, and when
 a worker fails the others are stopped (SIGTERM, then SIGKILL after a grace
-period) and the launcher exits non-zero.
+period) and the launcher exits non-zero. As torchrun sets OMP_NUM_THREADS=1, each
+worker gets its share of the cores as thread settings (:func:`thread_settings`).
 """
 
 import argparse
@@ -25,6 +26,10 @@ from .plugin_tools import port_is_free
 DEFAULT_GRACE_S = 5.0
 MAX_GRACE_S = 25.0
 _POLL_S = 0.1
+#: Thread-count variables each worker gets (unless set): torch and oneDNN, TensorFlow's intra-op pool.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
+#: XLA's CPU backend (JAX) with one core per worker: no Eigen thread pool.
+XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
 
 
 def pick_ports(count, host="127.0.0.1"):
@@ -49,12 +54,42 @@ def check_ports_free(ports, host="127.0.0.1"):
                 "or leave it out to pick free ports.")
 
 
-def worker_environments(args, environ=None, system=None):
-    """One environment per worker: the caller's minus its cluster variables, plus what plugins add."""
+def thread_settings(args, environ, cores=None):
+    """``{variable: value}`` giving each of ``args.nproc`` local workers its share of the cores (at least 1), as
+    torchrun gives OMP_NUM_THREADS=1 when it starts more than one; a variable the user set is left alone.
+
+    OMP_NUM_THREADS sizes torch's intra-op pool and oneDNN's, TF_NUM_INTRAOP_THREADS TensorFlow's (read when its
+    context is created); XLA's CPU backend has no thread count, only Eigen's multi-threading on or off, turned
+    off when each worker gets one core. ``--threads N`` gives N instead of the share, ``--threads off`` nothing."""
+    if args.threads == "off" or (args.threads == "auto" and args.nproc <= 1):
+        return {}
+    if args.threads == "auto":
+        cores = cores or len(os.sched_getaffinity(0))
+        count = max(1, cores // args.nproc)
+    else:
+        count = int(args.threads)
+    settings = {name: str(count) for name in THREAD_VARIABLES if name not in environ}
+    xla_flags = environ.get("XLA_FLAGS", "")
+    if count == 1 and XLA_ONE_THREAD.split("=")[0] not in xla_flags:
+        settings["XLA_FLAGS"] = f"{xla_flags} {XLA_ONE_THREAD}".strip()
+    return settings
+
+
+def describe_thread_settings(settings, args):
+    """The one line the launcher prints about them (torchrun prints a warning)."""
+    given = " ".join(f"{name}={value!r}" if " " in value else f"{name}={value}" for name, value in settings.items())
+    return (f"each of the {args.nproc} workers gets {given} (its share of {len(os.sched_getaffinity(0))} cores); "
+            "set these variables yourself, or pass --threads N or --threads off, to change it.")
+
+
+def worker_environments(args, environ=None, system=None, threads=None):
+    """One environment per worker: the caller's minus its cluster variables, plus the thread settings
+    (``threads``, else :func:`thread_settings`) and what plugins add."""
     from .manager import get_system
 
     system = system or get_system()
     environ = dict(os.environ if environ is None else environ)
+    environ.update(thread_settings(args, environ) if threads is None else threads)
     ports = list(range(args.port_base, args.port_base + args.nproc)) if args.port_base else None
     if ports:
         check_ports_free(ports, args.host)
@@ -88,6 +123,9 @@ def check_arguments(args):
     except (socket.gaierror, UnicodeError) as exc:
         raise KerasdistError(f"kerasdist launch: --host {args.host!r} does not resolve ({exc}); give this "
                              "machine's address the workers use, e.g. 127.0.0.1 (the default).") from None
+    if args.threads not in ("auto", "off") and not (args.threads.isdigit() and int(args.threads) >= 1):
+        raise KerasdistError(f"kerasdist launch: --threads {args.threads!r} is not valid; give a number of "
+                             "threads per worker (1 or more), 'auto' (cores // workers, the default) or 'off'.")
     if not 0 <= args.grace <= MAX_GRACE_S:
         raise KerasdistError(f"kerasdist launch: --grace {args.grace} must be between 0 and {MAX_GRACE_S:g} s "
                              "(the others are stopped within 30 s of a failure).")
@@ -215,6 +253,9 @@ def add_arguments(parser):
                         help="use ports PORT_BASE..PORT_BASE+N-1 (default: pick free ports)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
+    parser.add_argument("--threads", default="auto",
+                        help="threads per worker: OMP_NUM_THREADS and TF_NUM_INTRAOP_THREADS, unless set (default "
+                             "auto: cores // workers, at least 1, as torchrun's OMP_NUM_THREADS=1; 'off': none)")
     parser.add_argument("-m", dest="module", action="store_true", help="run the script argument as a module")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (after an optional --)")
     from .manager import get_system
@@ -231,7 +272,10 @@ def launch(args):
         args.script = args.script[1:]
     check_arguments(args)
     command = [sys.executable, "-m", *args.script] if args.module else [sys.executable, *args.script]
-    environs = worker_environments(args)
+    threads = thread_settings(args, os.environ)
+    environs = worker_environments(args, threads=threads)
+    if threads:
+        sys.stderr.write(f"kerasdist launch: {describe_thread_settings(threads, args)}\n")
     scratch = tempfile.mkdtemp(prefix="kerasdist-launch-")
     for env in environs:
         env.setdefault("KERASDIST_SCRATCH_DIR", scratch)

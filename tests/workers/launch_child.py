@@ -1,6 +1,6 @@
 """A worker for launcher tests (no TensorFlow): python launch_child.py MODE OUT_DIR.
 
-ok:    print a line naming the task, exit 0.
+ok:    print a line naming the task and its thread settings, exit 0.
 crash: worker 1 exits 3 at once; the others ignore SIGTERM and start a grandchild, then sleep.
 term:  record SIGTERM in OUT_DIR/term-<index> and exit 143.
 stubborn: ignore SIGTERM and sleep (the launcher must SIGKILL after its grace).
@@ -24,7 +24,8 @@ def record(name, text):
 
 
 if mode == "ok":
-    print(f"hello from worker {index} of {len(workers)}", flush=True)
+    print(f"hello from worker {index} of {len(workers)}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS')}", flush=True)
     sys.exit(0)
 if mode == "crash":
     if index == 1:
