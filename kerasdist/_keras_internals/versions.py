@@ -97,6 +97,10 @@ PIECES = {
         "the JAX Variable's _direct_assign: places a value by its layout", "jax",
         {"3.15": "keras.src.backend.jax.core:JaxVariable._direct_assign",
          "3.16.0.dev": "keras.src.backend.jax.ops.core:Variable._direct_assign"}),
+    "jax_distribute_data_input": Piece(
+        "the JAX backend's distribute_data_input: places each batch under a distribution (kerasdist places the "
+        "global batch every process reads)", "jax",
+        _everywhere("keras.src.backend.jax.distribution_lib:distribute_data_input")),
 }
 
 #: Private attributes of instances (set in ``__init__``/``build``), per Keras line: the name to use.
