@@ -66,6 +66,38 @@ def variable_layout(variable):
     return getattr(variable, "_layout", None)
 
 
+_PLACERS = {}  # id(distribution) -> (distribution, place): how kerasdist places each batch under it
+
+
+def place_batches_by(distribution, place):
+    """Under ``distribution``, have Keras's JAX trainer give each batch leaf as read in this process (a NumPy
+    array) and the sharding Keras chose for it to ``place(batch, sharding)``, which returns the global
+    ``jax.Array``, instead of ``jax.make_array_from_process_local_data`` (which takes the batch as this
+    process's share and cannot place a batch that does not divide over the devices). Other distributions
+    keep Keras's own placement.
+
+    Private: the JAX backend's ``distribution_lib.distribute_data_input``, which Keras's JAX trainer
+    looks up for every batch (``versions.PIECES["jax_distribute_data_input"]``).
+    """
+    import keras
+
+    from .versions import owner_of
+
+    owner, name = owner_of("jax_distribute_data_input")
+    original = getattr(owner, name)
+    if not getattr(original, "_kerasdist_placing", False):
+        def distribute_data_input(per_process_batch, layout, batch_dim_name, *args, **kwargs):
+            current = keras.distribution.distribution()
+            entry = _PLACERS.get(id(current))
+            if layout is None or entry is None or entry[0] is not current:
+                return original(per_process_batch, layout, batch_dim_name, *args, **kwargs)
+            return entry[1](per_process_batch, getattr(layout, "backend_layout", layout))
+
+        distribute_data_input._kerasdist_placing = True
+        setattr(owner, name, distribute_data_input)
+    _PLACERS[id(distribution)] = (distribution, place)
+
+
 # -- uneven per-replica batches (mirrored, central_storage) -----------------------------------------
 
 class _BatchShare:
