@@ -173,3 +173,68 @@ def test_validation_data_and_extra_keyword_arguments_reach_keras():
     assert len(history.history["val_loss"]) == 2
     result = model.evaluate(x, y, verbose=0, return_dict=True)
     assert result["loss"] == pytest.approx(model.evaluate(x, y, verbose=0)[0])
+
+
+class _Batches(keras.utils.PyDataset):
+    """A threaded PyDataset (keras.io's FeatureSpace example feeds one): batches in a fixed order."""
+
+    def __init__(self, x, y, batch):
+        super().__init__(workers=4, use_multiprocessing=False)
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return len(self.x) // self.batch
+
+    def __getitem__(self, index):
+        rows = slice(index * self.batch, (index + 1) * self.batch)
+        return self.x[rows], self.y[rows]
+
+
+def _weights_after(distribute, inputs, epochs=3):
+    keras.utils.set_random_seed(3)
+    model = _mlp()
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05), loss="mse", distribute=distribute)
+    model.fit(inputs(), epochs=epochs, verbose=0, shuffle=False)
+    return model
+
+
+def test_shuffled_tf_data_and_a_threaded_py_dataset_train_in_one_processs_order():
+    """Issue 29: Keras's first-batch build opened one extra iterator of the data before epoch 1, so a
+    reshuffling tf.data pipeline trained epoch k on permutation k+1 and a threaded PyDataset on a rotated batch
+    order. The model is built outside any scope (moved at compile)."""
+    x, y = _data(8 * GLOBAL_BATCH)
+    inputs = {"tf.data shuffle": lambda: tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=7)
+              .batch(GLOBAL_BATCH),
+              "PyDataset(workers=4)": lambda: _Batches(x, y, GLOBAL_BATCH)}
+    differences = {name: _max_weight_difference(_weights_after(None, make), _weights_after("mirrored", make))
+                   for name, make in inputs.items()}
+    print("max |w_mirrored - w_single| after 3 epochs:", {name: f"{d:.3g}" for name, d in differences.items()})
+    assert max(differences.values()) <= 1e-5, differences
+
+
+def _transfer_learning(distribute, x, y):
+    """keras.io "Transfer learning & fine-tuning": a frozen base, compile, fit; unfreeze, compile, fit."""
+    keras.utils.set_random_seed(4)
+    base = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh")], name="base")
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(base(inputs, training=False)))
+    base.trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse", distribute=distribute)
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    frozen = [w.numpy() for w in base.weights]
+    base.trainable = True
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.1), loss="mse", distribute=distribute)
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    return model, max(float(np.max(np.abs(a - w.numpy()))) for a, w in zip(frozen, base.weights))
+
+
+def test_a_base_unfrozen_after_a_frozen_compile_trains_as_in_one_process():
+    """Issue 29: a base frozen at the compile that moved it got untrainable tf.Variables; unfrozen and
+    compiled again it was updated by 0, silently."""
+    x, y = _data(4 * GLOBAL_BATCH)
+    single, single_moved = _transfer_learning(None, x, y)
+    mirrored, mirrored_moved = _transfer_learning("mirrored", x, y)
+    difference = _max_weight_difference(single, mirrored)
+    print(f"base moved in phase 2: one process {single_moved:.3g}, mirrored {mirrored_moved:.3g}; max |dw| "
+          f"{difference:.3g}")
+    assert single_moved > 1e-3 and difference <= 1e-5

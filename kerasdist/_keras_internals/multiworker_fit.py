@@ -1,5 +1,6 @@
 """Keras 3's TensorFlow trainer under a multi-worker MultiWorkerMirroredStrategy: its first-batch build
-and its log reduction (part of kerasdist._keras_internals)."""
+and its log reduction; and the first-batch build of every model kerasdist moved under a strategy (part of
+kerasdist._keras_internals)."""
 
 from .. import process_state
 from . import versions
@@ -19,6 +20,43 @@ def _patches():
     return process_state.slot("kerasdist.multiworker_fit_patches", dict, keep=True)
 
 
+#: set on a model kerasdist moved under a strategy (strategy_binding.move_to_strategy)
+MOVED_ATTR = "_kerasdist_moved"
+
+
+def build_from_input_structure(model, strategy, iterator):
+    """Keras's first-batch build (``Trainer._symbolic_build``) from the structure of the input's batches
+    (its ``tf.data`` ``element_spec``), without reading a batch. Keras's own build opens one extra iterator of
+    the user's data before epoch 1 (``TensorFlowTrainer._maybe_symbolic_build``, whenever a strategy is
+    bound): a ``shuffle(reshuffle_each_iteration=True)`` pipeline then trained epoch k on permutation k+1, a
+    threaded PyDataset on a rotated batch order, a random augmentation map drew twice. Where the structure
+    cannot build the model (a dimension its weights need is unknown there), one batch is read as Keras does."""
+    structure = iterator.data_adapter.get_tf_dataset().element_spec
+    with strategy.scope():
+        try:
+            model._symbolic_build(data_batch=structure)
+            return
+        except Exception:  # noqa: BLE001 - e.g. a Dense over an unknown last dimension: Keras's way below
+            pass
+    _build_from_first_batch(model, strategy, iterator)
+
+
+def _build_from_first_batch(model, strategy, iterator):
+    """Keras's own way (one batch read; this worker's first replica's part, whose shapes a multi-worker
+    PerReplica batch cannot be reduced to)."""
+    import tensorflow as tf
+    from keras import tree
+
+    for _, _, it in iterator:
+        data_batch = tree.map_structure(
+            lambda v: (strategy.experimental_local_results(v)[0]
+                       if isinstance(v, tf.distribute.DistributedValues) else v),
+            next(it))
+        break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
 def is_multiworker_strategy(strategy):
     """True for a MultiWorkerMirroredStrategy spanning more than this process."""
     import tensorflow as tf
@@ -28,9 +66,12 @@ def is_multiworker_strategy(strategy):
 
 
 def install_multiworker_fit_fixes():
-    """Make Keras 3's TF trainer work under a multi-worker strategy (idempotent); True once installed.
+    """Make Keras 3's TF trainer work under a multi-worker strategy, and build every model kerasdist moved
+    under a strategy from its input's structure (:func:`build_from_input_structure`); idempotent, True once
+    installed.
 
-    Runs when a worker joins its cluster, at ``import kerasdist``: on a Keras that lacks a piece it
+    Runs when a worker joins its cluster, at ``import kerasdist``, and at every compile under a tf.distribute
+    strategy (``strategy_binding.move_to_strategy``): on a Keras that lacks a piece it
     replaces (``versions.PIECES``) it changes nothing and returns False, and compiling under the
     multi-worker strategy raises the KerasdistError naming that piece."""
     patches = _patches()
@@ -38,9 +79,6 @@ def install_multiworker_fit_fixes():
         return True
     if versions.missing("tf_trainer_build", "tf_reduce_per_replica"):
         return False
-    import tensorflow as tf
-    from keras import tree
-
     trainer, build_name = versions.owner_of("tf_trainer_build")
     trainer_module, reduce_name = versions.owner_of("tf_reduce_per_replica")
     original_build = getattr(trainer, build_name)
@@ -48,16 +86,10 @@ def install_multiworker_fit_fixes():
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
-        if strategy is None or iterator is None or not is_multiworker_strategy(strategy):
+        if (strategy is None or iterator is None
+                or not (is_multiworker_strategy(strategy) or getattr(self, MOVED_ATTR, False))):
             return original_build(self, iterator=iterator, data_batch=data_batch)
-        for _, _, it in iterator:  # only shapes matter: this worker's first replica batch
-            data_batch = tree.map_structure(
-                lambda v: (strategy.experimental_local_results(v)[0]
-                           if isinstance(v, tf.distribute.DistributedValues) else v),
-                next(it))
-            break
-        with strategy.scope():
-            self._symbolic_build(data_batch=data_batch)
+        build_from_input_structure(self, strategy, iterator)
 
     def reduce_per_replica(values, strategy, reduction):
         if reduction in ("auto", "mean") and is_multiworker_strategy(strategy):

@@ -13,7 +13,7 @@ import contextlib
 
 from ..variables import unique_variables
 from . import versions
-from .multiworker_fit import is_multiworker_strategy
+from .multiworker_fit import MOVED_ATTR, install_multiworker_fit_fixes, is_multiworker_strategy
 
 _MODEL_STRATEGY_ATTR = "_distribute_strategy"
 _OPTIMIZER_STRATEGY_ATTR = "_distribution_strategy"
@@ -66,11 +66,28 @@ def _move_variables(variables, strategy):
         belongs = _belonging_to(strategy)
         # a variable not created yet will be created under the scope
         moving = [v for v in variables if getattr(v, "_value", None) is not None and not belongs(v._value)]
-        with _all_or_none_moved(moving):
+        with _all_or_none_moved(moving), _trainable_as_backed(moving):
             if direct is not None:
                 moving = direct.move_all(moving)
             for variable in moving:
                 variable._initialize(reuse.offer(variable._value, _agrees_with(variable, variable._value)))
+
+
+@contextlib.contextmanager
+def _trainable_as_backed(variables):
+    """While moving: each Keras variable's ``trainable`` flag as its backing tf.Variable's. Keras picks what
+    trains from its own flag, but TensorFlow's tape watches only tf.Variables made trainable, and Keras's
+    ``_initialize`` makes the new one from the flag: a base frozen (``trainable=False``) at the compile that
+    moved it got untrainable tf.Variables, so unfrozen later it never trained (issue 29). The tf.Variable keeps
+    what it had, as in one process; Keras's flags are given back."""
+    flags = [(variable, variable.trainable) for variable in variables]
+    try:
+        for variable, _ in flags:
+            variable.trainable = variable._value.trainable
+        yield
+    finally:
+        for variable, flag in flags:
+            variable.trainable = flag
 
 
 @contextlib.contextmanager
@@ -264,6 +281,8 @@ def move_to_strategy(model, strategy, optimizer=None):
         variables += list(opt.variables)
     _move_variables(unique_variables(variables), strategy)
     bind_model(model, strategy)
+    setattr(model, MOVED_ATTR, True)
+    install_multiworker_fit_fixes()  # fit then builds it without reading the user's data (issue 29)
     for opt in optimizers:
         setattr(opt, _OPTIMIZER_STRATEGY_ATTR, strategy)
         _rekey_optimizer(opt, old_keys[id(opt)])

@@ -119,10 +119,9 @@ def weight_replicas_by_batch_share(model, optimizer, strategy=None, *, replicas=
     the batch, n_r * R / N. The factor multiplies the loss in ``optimizer.scale_loss`` (public; called
     after the loss metric is updated, so logs stay per-example means), with n_r recorded by a
     ``model.compute_loss`` wrapper (public) and N summed over the replicas: by the strategy's replica
-    context, or by ``sum_counts`` over ``replicas`` processes of one replica each (Horovod). Under a
-    tf.distribute strategy, Keras's first-batch build (``Trainer._maybe_symbolic_build``, private;
-    Keras 3.15) averages the replicas' batches, which fails for unequal shapes: it builds from the first
-    replica's batch instead.
+    context, or by ``sum_counts`` over ``replicas`` processes of one replica each (Horovod). (Keras's
+    first-batch build, which averaged the replicas' batches and failed for unequal shapes, builds from the
+    input's structure for every model kerasdist moved: ``multiworker_fit.build_from_input_structure``.)
     """
     import tensorflow as tf
 
@@ -143,21 +142,6 @@ def weight_replicas_by_batch_share(model, optimizer, strategy=None, *, replicas=
 
     model.compute_loss = compute_loss
     _wrap_scale_loss(optimizer, state)
-    if strategy is None:
-        return
-
-    def maybe_symbolic_build(iterator=None, data_batch=None):
-        if iterator is not None:
-            for _, _, it in iterator:
-                batch = next(it)
-                data_batch = keras_tree().map_structure(
-                    lambda v: strategy.experimental_local_results(v)[0]
-                    if isinstance(v, tf.distribute.DistributedValues) else v, batch)
-                break
-        with strategy.scope():
-            model._symbolic_build(data_batch=data_batch)
-
-    model._maybe_symbolic_build = maybe_symbolic_build
 
 
 _UNCHANGED = object()  # set_batch_share_weighting's default: keep the value set before
