@@ -34,7 +34,7 @@ def test_checked_versions_name_lines_and_exact_nightlies():
 def test_every_piece_has_a_location_on_every_keras_line():
     for name, piece in versions.PIECES.items():
         assert set(piece.where) == set(versions.KERAS_LINES), name
-        assert piece.needed_by in ("tf", "multiworker", "central_storage", "horovod", "jax"), name
+        assert piece.needed_by in ("tf", "multiworker", "central_storage", "horovod", "jax", "step_order", "torch"), name
     for name, where in versions.INSTANCE_ATTRIBUTES.items():
         assert set(where) == set(versions.KERAS_LINES), name
 
@@ -707,10 +707,9 @@ def test_tensorflow_train_step_order_the_strategy_free_multiworker_step_relies_o
     ``apply``, wrapped per instance), then ``compute_metrics``; a replaced ``train_step`` is not Keras's own."""
     import inspect
 
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    step = inspect.getsource(TensorFlowTrainer.train_step)
+    step = inspect.getsource(versions.locate("tf_train_step"))
     order = [step.index(piece) for piece in ("loss = self._compute_loss(", "self._loss_tracker.update_state(",
                                              "self.optimizer.apply_gradients(", "return self.compute_metrics(")]
     assert order == sorted(order), order
@@ -746,17 +745,16 @@ def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     scales the loss through ``optimizer.scale_loss`` and updates through ``optimizer.apply`` (both wrapped per
     instance), the loss tracker before ``apply`` and the compiled metrics (``_compile_metrics``) after it;
     ``BatchNormalization._moments``/``_reduction_axes``, replaced by summed moments, give Keras's
-    own moments when the sum is over one process; this Keras does not wrap models in DDP itself."""
+    own moments when the sum is over one process; Keras wraps models in DDP itself from 3.16 on."""
     import subprocess
     import sys
 
     code = """
 import inspect, numpy as np, torch, keras
-from keras.src.backend.torch import trainer
 from kerasdist._keras_internals.torch import compiled_metrics, keras_wraps_ddp, synchronize_torch_batch_norm
 from kerasdist._keras_internals.training import keras_step_order_is_known
-from keras.src.trainers.trainer import Trainer
-step = inspect.getsource(trainer.TorchTrainer.train_step)
+from kerasdist._keras_internals.versions import installed_keras_version, locate
+step = inspect.getsource(locate("torch_train_step"))
 assert "self.optimizer.scale_loss(loss)" in step and "self.optimizer.apply(gradients, trainable_weights)" in step
 order = [step.index(piece) for piece in ("self._loss_tracker.update_state(", "self.optimizer.apply(",
                                          "return self.compute_metrics(")]
@@ -767,14 +765,14 @@ assert keras_step_order_is_known(compiled) and compiled_metrics(compiled) == [co
 plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
 plain.compile(loss="mse")
 assert compiled_metrics(plain) == []
-metrics_step = inspect.getsource(Trainer.compute_metrics).split(chr(34) * 3)[-1]  # its code: updates only these
+metrics_step = inspect.getsource(locate("trainer_compute_metrics")).split(chr(34) * 3)[-1]  # its code: updates only these
 assert "self._compile_metrics.update_state(" in metrics_step and "return self.get_metrics_result()" in metrics_step
 assert metrics_step.count("update_state(") == 1, metrics_step
 class OwnStep(keras.Sequential):
     def train_step(self, data):
         return super().train_step(data)
 assert not keras_step_order_is_known(OwnStep([keras.Input((3,)), keras.layers.Dense(1)]))
-assert not keras_wraps_ddp()
+assert keras_wraps_ddp() == installed_keras_version().startswith("3.16"), installed_keras_version()
 model = keras.Sequential([keras.Input((5, 3)), keras.layers.BatchNormalization()])
 layer = model.layers[0]
 x = torch.tensor(np.random.default_rng(0).normal(size=(4, 5, 3)), dtype=torch.float32)

@@ -14,16 +14,12 @@ torch is imported only inside the functions (``import kerasdist`` never imports 
 import inspect
 
 from .training import replace_moments
-from .versions import installed_keras_version
-
-_TORCH_TRAINER = "keras.src.backend.torch.trainer"
+from .versions import installed_keras_version, missing, owner_of
 
 
 def keras_wraps_ddp():
     """Whether this Keras's torch trainer wraps the model in DDP itself when torch.distributed is
     initialised (Keras >= 3.16, or a trainer whose source uses ``DistributedDataParallel``)."""
-    import importlib
-
     version = installed_keras_version() or "0"
     parts = []
     for piece in version.split(".")[:2]:
@@ -31,9 +27,11 @@ def keras_wraps_ddp():
         parts.append(int(digits or 0))
     if tuple(parts) >= (3, 16):
         return True
+    if missing("torch_train_step"):
+        return False
+    trainer_class, _ = owner_of("torch_train_step")
     try:
-        trainer = importlib.import_module(_TORCH_TRAINER)
-        return "DistributedDataParallel" in inspect.getsource(trainer)
+        return "DistributedDataParallel" in inspect.getsource(inspect.getmodule(trainer_class))
     except (ImportError, OSError, TypeError):
         return False
 

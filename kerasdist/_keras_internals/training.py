@@ -5,27 +5,25 @@ import inspect
 
 # -- the order of Keras's own train_step (torch_distributed, multiworker's strategy-free step) ---------------
 
-_BACKEND_TRAINERS = {"tensorflow": ("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer"),
-                     "torch": ("keras.src.backend.torch.trainer", "TorchTrainer")}
+#: The piece of versions.PIECES that is each backend's own Keras ``train_step``.
+_BACKEND_TRAIN_STEPS = {"tensorflow": "tf_train_step", "torch": "torch_train_step"}
 
 
 def keras_step_order_is_known(model):
     """Whether ``model`` trains with the backend's own Keras ``train_step`` and ``compute_metrics`` (TensorFlow or
     torch; neither replaced by its class or on the instance): then ``compute_loss`` runs once, the loss tracker
     is updated before ``optimizer.apply`` (TensorFlow: through ``apply_gradients``) and only the compiled metrics
-    after it. Ask before wrapping the instance's step."""
-    import importlib
-
+    after it. Ask before wrapping the instance's step. False on a Keras lacking those pieces (the general path)."""
     import keras
-    from keras.src.trainers.trainer import Trainer
 
-    module, name = _BACKEND_TRAINERS.get(keras.backend.backend(), (None, None))
-    if module is None:
+    from .versions import locate, missing
+
+    step = _BACKEND_TRAIN_STEPS.get(keras.backend.backend())
+    if step is None or missing(step, "trainer_compute_metrics"):
         return False
-    backend_trainer = getattr(importlib.import_module(module), name)
     own = vars(model)
-    return (type(model).train_step is backend_trainer.train_step and "train_step" not in own
-            and type(model).compute_metrics is Trainer.compute_metrics and "compute_metrics" not in own)
+    return (type(model).train_step is locate(step) and "train_step" not in own
+            and type(model).compute_metrics is locate("trainer_compute_metrics") and "compute_metrics" not in own)
 
 
 def mean_state(metric):

@@ -13,6 +13,8 @@ compiled (never at ``import kerasdist``). tests/test_keras_internals.py checks e
 
 import importlib
 import importlib.metadata
+import importlib.util
+import os
 from typing import NamedTuple
 
 #: Keras releases these internals were read and tested against: a line ("3.15") covers its patch
@@ -37,6 +39,7 @@ def _everywhere(location):
 
 
 _TF_TRAINER = "keras.src.backend.tensorflow.trainer"
+_TORCH_TRAINER = "keras.src.backend.torch.trainer"
 _TRAINER = "keras.src.trainers.trainer"
 _TF_OPTIMIZER = "keras.src.backend.tensorflow.optimizer:TFOptimizer"
 
@@ -93,6 +96,20 @@ PIECES = {
     "file_utils_join": Piece(
         "keras.src.utils.file_utils.join: BackupAndRestore's file paths (multi-worker backups)", "multiworker",
         _everywhere("keras.src.utils.file_utils:join")),
+    # Looked up when used, never required at compile ("step_order", "torch"): without them kerasdist takes its
+    # general path (the step's order unknown; the torch trainer's source not read).
+    "tf_train_step": Piece(
+        "the TensorFlow trainer's own train_step (whether a model trains with it: the strategy-free step)",
+        "step_order",
+        {"3.15": f"{_TF_TRAINER}:TensorFlowTrainer.train_step", "3.16.0.dev": f"{_TF_TRAINER}:Trainer.train_step"}),
+    "torch_train_step": Piece(
+        "the torch trainer's own train_step (whether a model trains with it; its module's source says "
+        "whether it wraps models in DistributedDataParallel)", "torch",
+        {"3.15": f"{_TORCH_TRAINER}:TorchTrainer.train_step", "3.16.0.dev": f"{_TORCH_TRAINER}:Trainer.train_step"}),
+    "trainer_compute_metrics": Piece(
+        "Trainer.compute_metrics: updates the compiled metrics only (the step order kerasdist relies on)",
+        "step_order",
+        {"3.15": f"{_TRAINER}:Trainer.compute_metrics", "3.16.0.dev": f"{_TRAINER}:BaseTrainer.compute_metrics"}),
     "jax_variable_direct_assign": Piece(
         "the JAX Variable's _direct_assign: places a value by its layout", "jax",
         {"3.15": "keras.src.backend.jax.core:JaxVariable._direct_assign",
@@ -114,13 +131,20 @@ INSTANCE_ATTRIBUTES = {
 
 def installed_keras_version():
     """The installed Keras's version from its distribution's metadata (``keras`` or ``keras-nightly``),
-    without importing it; None when neither is installed."""
-    for distribution in ("keras", "keras-nightly"):
+    without importing it: the one whose files ``import keras`` loads when both are on the path (a nightly
+    first on PYTHONPATH beside a venv's keras); None when neither is installed."""
+    found = []
+    for name in ("keras", "keras-nightly"):
         try:
-            return importlib.metadata.version(distribution)
+            found.append(importlib.metadata.distribution(name))
         except importlib.metadata.PackageNotFoundError:
             continue
-    return None
+    spec = importlib.util.find_spec("keras") if found else None
+    origin = os.path.realpath(spec.origin) if spec is not None and spec.origin else None
+    for distribution in found:
+        if os.path.realpath(distribution.locate_file("keras/__init__.py")) == origin:
+            return distribution.version
+    return found[0].version if found else None
 
 
 def _keras_version():
