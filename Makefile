@@ -9,6 +9,8 @@ STAMP := $(VENV)/.kerasdist-installed
 # users. `make lock` refreshes the lock on purpose; nothing else changes it.
 LOCK := requirements/lock.txt
 NO_DEPS_LOCK := requirements/no-deps.txt
+# The next Keras, installed beside the venv (not into it) for the keras-nightly check of `make test`.
+NIGHTLY_LOCK := requirements/keras-nightly.txt
 LOCK_PYTHON := 3.11
 LOCK_PLATFORM := x86_64-manylinux_2_28
 TOOLS := $${KERASDIST_CACHE:-$$HOME/.cache/kerasdist}/tools
@@ -25,13 +27,15 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test bench bench-horovod bench-torch venv lock check-lock test-latest test-keras-nightly clean
 
-$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
+$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) $(NIGHTLY_LOCK) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
 	bash .ci/system_packages.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) .ci/check_lock.py --platform-only $(LOCK_PYTHON)
 	$(PIP) install --require-hashes --no-deps $(FIND_LINKS) -r $(LOCK)
 	$(PIP) install --require-hashes --no-deps -r $(NO_DEPS_LOCK)
 	$(PIP) install --no-deps --no-build-isolation -e .
+	rm -rf $(VENV)/keras-nightly
+	$(PIP) install --require-hashes --no-deps --target $(VENV)/keras-nightly -r $(NIGHTLY_LOCK)
 	if [ "$(HOROVOD)" = 1 ]; then bash .ci/build_horovod.sh $(PY); fi
 	$(PY) .ci/check_lock.py $(LOCK) $(NO_DEPS_LOCK)
 	touch $@
@@ -58,6 +62,9 @@ lock:
 	$(UV) pip compile requirements/no-deps.in --no-deps \
 	    --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) --generate-hashes \
 	    --custom-compile-command 'make lock' --upgrade -o $(NO_DEPS_LOCK)
+	$(UV) pip compile requirements/keras-nightly.in --no-deps \
+	    --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) --generate-hashes \
+	    --custom-compile-command 'make lock' --upgrade -o $(NIGHTLY_LOCK)
 
 # Not part of `make test`: the suite on the newest versions the ranges allow today, and on the
 # next Keras (keras-nightly in place of keras). Each in its own venv.
@@ -73,7 +80,9 @@ fresh-venv-test:
 	$(VENV_X)/bin/python -m pip -q install --upgrade --upgrade-strategy eager $(FIND_LINKS) -e '.[cpu,jax,test,torch]' 'torch==2.13.0+cpu'
 	$(VENV_X)/bin/python -m pip -q install --no-deps -r requirements/no-deps.in
 	if [ -n "$(KERAS_PKG)" ]; then $(VENV_X)/bin/python -m pip -q uninstall -y keras && \
-	    $(VENV_X)/bin/python -m pip -q install --pre --no-deps $(KERAS_PKG); fi
+	    $(VENV_X)/bin/python -m pip -q install --pre --no-deps $(KERAS_PKG); \
+	else rm -rf $(VENV_X)/keras-nightly && $(VENV_X)/bin/python -m pip -q install --require-hashes --no-deps \
+	    --target $(VENV_X)/keras-nightly -r $(NIGHTLY_LOCK); fi
 	if [ "$(HOROVOD)" = 1 ]; then $(VENV_X)/bin/python -m pip -q install setuptools wheel cloudpickle cffi && \
 	    bash .ci/build_horovod.sh $(VENV_X)/bin/python; fi
 	$(VENV_X)/bin/python -m pip freeze | grep -iE '^(keras|keras-nightly|tensorflow-cpu|jax|numpy|onnxruntime|protobuf)==' || true
