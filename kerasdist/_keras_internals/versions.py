@@ -110,6 +110,10 @@ PIECES = {
         "Trainer.compute_metrics: updates the compiled metrics only (the step order kerasdist relies on)",
         "step_order",
         {"3.15": f"{_TRAINER}:Trainer.compute_metrics", "3.16.0.dev": f"{_TRAINER}:BaseTrainer.compute_metrics"}),
+    "array_data_adapter": Piece(
+        "ArrayDataAdapter: the tf.data pipeline (and shuffle) Keras's fit makes of arrays, which every multiworker "
+        "worker makes to draw one process's permutation", "multiworker",
+        _everywhere("keras.src.trainers.data_adapters.array_data_adapter:ArrayDataAdapter")),
     "jax_variable_direct_assign": Piece(
         "the JAX Variable's _direct_assign: places a value by its layout", "jax",
         {"3.15": "keras.src.backend.jax.core:JaxVariable._direct_assign",
