@@ -84,22 +84,3 @@ def test_bad_batch_axis_or_layout_is_one_clear_error(options, words):
     with pytest.raises(kerasdist.KerasdistError) as info:
         kerasdist.hybrid(**options)
     assert all(word in str(info.value) for word in words), str(info.value)
-
-
-@pytest.mark.parametrize("count, index, batch_axis_size, expected", [
-    (2, 1, 2, (2, 1)),   # one batch slice per process
-    (2, 1, 4, (2, 1)),
-    (2, 1, 1, (1, 0)),   # batch not split: both processes feed every row
-    (4, 3, 2, (2, 1)),   # processes 2 and 3 hold the second slice
-])
-def test_which_part_of_each_batch_a_process_feeds(count, index, batch_axis_size, expected):
-    from kerasdist_plugins.keras_distribution.processes import batch_part
-
-    assert batch_part(count, index, batch_axis_size) == expected
-
-
-def test_a_batch_axis_that_does_not_fit_the_processes_is_one_clear_error():
-    from kerasdist_plugins.keras_distribution.processes import batch_part
-
-    with pytest.raises(kerasdist.KerasdistError, match="batch axis of size 3 cannot be split among 2 JAX processes"):
-        batch_part(2, 0, 3)

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import kerasdist
 from kerasdist.plugin_tools import (all_layers, check_number, keras_backend, lay_out_variables,
-                                    local_replica_devices, variable_layout)
+                                    local_replica_devices, place_batches_by, variable_layout)
 
 from . import processes
 from .layout import (DEFAULT_MIN_SHARD_SIZE, batch_axis_of, check_layout_axes, choose_axes, format_layout,
@@ -154,7 +154,8 @@ def kerasdist_create_strategy(spec):
         device_mesh = keras.distribution.DeviceMesh(shape=tuple(mesh.values()), axis_names=list(mesh), devices=devices)
         distribution = keras.distribution.ModelParallel(layout_map=output_layout_map(spec.layout, device_mesh),
                                                         batch_dim_name=batch_axis)
-    distribution.auto_shard_dataset = False  # several processes: each is given its rows (processes.py)
+    distribution.auto_shard_dataset = False  # every process reads the global batch; each device takes its rows
+    place_batches_by(distribution, processes.place_global_batch)
     return distribution
 
 
@@ -207,6 +208,12 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
+    elif own_spec(spec, strategy, model) is not None:  # metric objects made before compile hold their variables
+        import keras
+
+        metrics = [m for key in ("metrics", "weighted_metrics")
+                   for m in keras.tree.flatten(compile_kwargs.get(key)) if isinstance(m, keras.metrics.Metric)]
+        _replicate([v for m in metrics for v in m.variables], strategy)
 
 
 @kerasdist.hookimpl
@@ -226,7 +233,7 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
             raise kerasdist.KerasdistError(
                 f"{spec.name}: predict over several JAX processes is not supported; predict in one process "
                 "(e.g. load the saved model there), or under kerasdist.is_chief() after training.")
-        processes.split_inputs(call_kwargs, spec.name, size)
+        processes.share_random_state()  # a NumPy shuffle draws process 0's permutation in every process
         processes.quiet_other_processes(method, call_kwargs)
 
 
@@ -234,12 +241,17 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
 def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
     if own_spec(spec, strategy, model) is None:
         return None
-    import keras
-
-    variables = list(model.variables) + _optimizer_variables(model)
-    lay_out_variables(variables, lambda v: keras.distribution.TensorLayout([None] * len(v.shape), strategy.device_mesh))
+    _replicate(list(model.variables) + _optimizer_variables(model) + list(model.metrics_variables), strategy)
     with strategy.scope():
         return call(**call_kwargs)
+
+
+def _replicate(variables, strategy):
+    """Replicate on the mesh each of ``variables`` not laid out yet (made outside the distribution: optimizer
+    slots built later, metrics and trackers made in ``__init__`` or passed to compile)."""
+    import keras
+
+    lay_out_variables(variables, lambda v: keras.distribution.TensorLayout([None] * len(v.shape), strategy.device_mesh))
 
 
 def own_spec(spec, strategy, model):

@@ -1,10 +1,10 @@
 """Several JAX processes, one global mesh: joining (from TF_CONFIG / Slurm, as ``kerasdist launch`` sets it),
-each process's part of every global batch, and writes from process 0 only."""
+every process reading the same global batches (each device is given its rows), and writes from process 0
+only."""
 
 import numpy as np
 
 from kerasdist import ClusterConfigError, KerasdistError
-from kerasdist.plugin_tools import first_array, is_dataset
 
 #: Callbacks that write files: process 0 keeps them, the others drop them (every process holds the same
 #: replicated state, and a sharded one is saved by process 0 through Keras's own gathering).
@@ -37,51 +37,66 @@ def process_count():
     return jax.process_count(), jax.process_index()
 
 
-def batch_part(count, index, batch_axis_size):
-    """``(parts, part)``: into how many parts the processes split each global batch, and this process's.
-    One part per process; with a batch axis smaller than the process count (``{"model": 8}`` over two
-    processes), one per batch slice, the processes of a slice feeding the same rows (the batch axis is
-    the mesh's outermost, so a slice is held by consecutive processes)."""
-    if batch_axis_size % count == 0:
-        return count, index
-    if count % batch_axis_size == 0:
-        return batch_axis_size, index // (count // batch_axis_size)
-    raise KerasdistError(f"the batch axis of size {batch_axis_size} cannot be split among {count} JAX processes; "
-                         f"give it a size that is a multiple or a divisor of {count}.")
+def place_global_batch(batch, sharding):
+    """The global ``jax.Array`` of ``batch``, a global batch every process reads whole: each device is given its
+    rows (``sharding``), or, for a batch that does not divide over the devices of its axis (an uneven last
+    batch), every device the whole batch (replicated: computed as on one device). Over several processes the
+    processes' batches are compared first: they must be the same global batch."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    batch = np.asarray(batch)
+    if jax.process_count() > 1:
+        _check_same_batch(batch)
+    if isinstance(sharding, NamedSharding) and not _divides(batch.shape, sharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec())
+    return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
 
 
-def split_inputs(call_kwargs, spec_name, batch_axis_size):
-    """Give this process its rows of every global batch (NumPy inputs), and the per-process batch size."""
-    count, index = process_count()
-    if count == 1:
+def _divides(shape, sharding):
+    sizes = dict(sharding.mesh.shape)
+    for dim, axes in zip(shape, sharding.spec):
+        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
+            dim, rest = divmod(dim, sizes[axis])
+            if rest:
+                return False
+    return True
+
+
+def _check_same_batch(batch):
+    """One clear error in every process when the processes read different batches (an unseeded shuffle,
+    per-process random augmentation, other files): the global batch would silently be process 0's."""
+    import zlib
+
+    from jax.experimental import multihost_utils
+
+    digest = np.array([zlib.crc32(np.ascontiguousarray(batch).tobytes()) & 0x7FFFFFFF,
+                       batch.shape[0] if batch.ndim else -1], dtype=np.int32)
+    every = np.asarray(multihost_utils.process_allgather(digest))
+    if (every != every[0]).any():
+        raise KerasdistError(
+            f"data_parallel/hybrid over {len(every)} JAX processes: the processes read different batches here "
+            f"(rows per process: {every[:, 1].tolist()}, checksums {every[:, 0].tolist()}); every process must "
+            "read the same global batches (kerasdist gives each device its rows): seed every shuffle "
+            "(keras.utils.set_random_seed(S) before building the data, or ds.shuffle(n, seed=S)) and read the "
+            "same files in every process.")
+
+
+def share_random_state():
+    """NumPy's global random state of process 0 in every process (Keras shuffles NumPy inputs with it):
+    every process then draws process 0's permutation, which with ``keras.utils.set_random_seed`` is the one
+    a single process draws."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
         return
-    parts, part = batch_part(count, index, batch_axis_size)
-    x = call_kwargs.get("x")
-    if is_dataset(x) or (x is not None and not isinstance(x, (np.ndarray, list, tuple, dict))):
-        raise KerasdistError(f"{spec_name} over {count} JAX processes: give NumPy arrays (each process then takes "
-                             f"its part of every global batch), not {type(x).__name__}.")
-    batch = call_kwargs.get("batch_size") or 32
-    if batch % parts:
-        raise KerasdistError(f"{spec_name}: batch_size={batch} is the global batch; it must divide among the {parts} "
-                             f"process groups; give a multiple of {parts}.")
-    size = len(first_array(x))
-    order = np.arange(size)
-    if call_kwargs.get("shuffle", True) is not False:  # one permutation, the same in every process
-        order = np.random.default_rng(len(order)).permutation(size)
-    rows = []
-    for start in range(0, size, batch):
-        in_batch = min(batch, size - start)
-        if in_batch % parts:
-            raise KerasdistError(f"{spec_name}: the last batch has {in_batch} examples, which do not divide among "
-                                 f"the {parts} process groups; use a number of examples divisible by {parts}.")
-        share = in_batch // parts
-        rows.extend(order[start + part * share:start + (part + 1) * share])
-    rows = np.asarray(rows, dtype=np.int64)
-    for key in ("x", "y", "sample_weight"):
-        if call_kwargs.get(key) is not None:
-            call_kwargs[key] = _take(call_kwargs[key], rows)
-    call_kwargs["batch_size"] = batch // parts
-    call_kwargs["shuffle"] = False
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    state = np.concatenate([keys.view(np.int32), np.array([position, has_gauss], dtype=np.int32),
+                            np.array([cached], dtype=np.float64).view(np.int32)])
+    state = np.asarray(multihost_utils.broadcast_one_to_all(state))
+    np.random.set_state((kind, state[:-4].view(np.uint32), int(state[-4]), int(state[-3]),
+                         float(state[-2:].view(np.float64)[0])))
 
 
 def quiet_other_processes(method, call_kwargs):
@@ -92,11 +107,3 @@ def quiet_other_processes(method, call_kwargs):
     if method == "fit":
         call_kwargs["callbacks"][:] = [cb for cb in call_kwargs["callbacks"]
                                        if type(cb).__name__ not in WRITING_CALLBACKS]
-
-
-def _take(value, rows):
-    if isinstance(value, dict):
-        return {k: _take(v, rows) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_take(v, rows) for v in value)
-    return np.asarray(value)[rows]

@@ -1,0 +1,204 @@
+"""keras.io's "Customizing what happens in fit() with JAX" models and other user patterns under
+``data_parallel`` on JAX, each against the same script in plain Keras in this same process (no
+distribution: one device): ``jax_custom_steps.py OUT_JSON``. Run as one process of N host devices, or under
+``kerasdist launch -n 2``; every process writes ``OUT_JSON.<process index>``.
+
+Per case: max |dw| vs plain (SGD), the fit history, evaluate's result, and the error if one was raised."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import kerasdist  # noqa: E402
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+ROWS, BATCH = 239, 32  # the last batch (15 rows) does not split over 2 or 4 devices
+rng = np.random.default_rng(0)
+X = rng.normal(size=(ROWS, 8)).astype("float32")
+Y = (X @ rng.normal(size=(8, 1))).astype("float32")
+LABELS = (Y > 0).astype("float32")
+
+
+class FirstGuideModel(keras.Model):
+    """The guide's first example: compute_loss, every metric in self.metrics."""
+
+    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y, training=False):
+        y_pred, non_trainable_variables = self.stateless_call(trainable_variables, non_trainable_variables, x,
+                                                              training=training)
+        loss = self.compute_loss(x, y, y_pred)
+        return loss, (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
+            trainable_variables, non_trainable_variables, x, y, training=True)
+        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables)
+        new_metrics_vars, logs = [], {}
+        for metric in self.metrics:
+            this_metric_vars = metrics_variables[len(new_metrics_vars):len(new_metrics_vars) + len(metric.variables)]
+            if metric.name == "loss":
+                this_metric_vars = metric.stateless_update_state(this_metric_vars, loss)
+            else:
+                this_metric_vars = metric.stateless_update_state(this_metric_vars, y, y_pred)
+            logs[metric.name] = metric.stateless_result(this_metric_vars)
+            new_metrics_vars += this_metric_vars
+        return logs, (trainable_variables, non_trainable_variables, optimizer_variables, new_metrics_vars)
+
+
+class LowerLevelGuideModel(FirstGuideModel):
+    """The guide's "lower-level" example: trackers made in __init__, its own loss, no compiled loss."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.mae_metric = keras.metrics.MeanAbsoluteError(name="mae")
+        self.loss_fn = keras.losses.MeanSquaredError()
+
+    def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y, training=False):
+        y_pred, non_trainable_variables = self.stateless_call(trainable_variables, non_trainable_variables, x,
+                                                              training=training)
+        return self.loss_fn(y, y_pred), (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
+            trainable_variables, non_trainable_variables, x, y, training=True)
+        trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables)
+        loss_tracker_vars = metrics_variables[:len(self.loss_tracker.variables)]
+        mae_metric_vars = metrics_variables[len(self.loss_tracker.variables):]
+        loss_tracker_vars = self.loss_tracker.stateless_update_state(loss_tracker_vars, loss)
+        mae_metric_vars = self.mae_metric.stateless_update_state(mae_metric_vars, y, y_pred)
+        logs = {self.loss_tracker.name: self.loss_tracker.stateless_result(loss_tracker_vars),
+                self.mae_metric.name: self.mae_metric.stateless_result(mae_metric_vars)}
+        new_metrics_vars = loss_tracker_vars + mae_metric_vars
+        return logs, (trainable_variables, non_trainable_variables, optimizer_variables, new_metrics_vars)
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric]
+
+
+class TestStepGuideModel(FirstGuideModel):
+    """The guide's test_step example (its logs: a dict of every metric here, the guide keeps the last)."""
+
+    def test_step(self, state, data):
+        x, y = data
+        trainable_variables, non_trainable_variables, metrics_variables = state
+        y_pred, non_trainable_variables = self.stateless_call(trainable_variables, non_trainable_variables, x,
+                                                              training=False)
+        loss = self.compute_loss(x, y, y_pred)
+        new_metrics_vars, logs = [], {}
+        for metric in self.metrics:
+            this_metric_vars = metrics_variables[len(new_metrics_vars):len(new_metrics_vars) + len(metric.variables)]
+            if metric.name == "loss":
+                this_metric_vars = metric.stateless_update_state(this_metric_vars, loss)
+            else:
+                this_metric_vars = metric.stateless_update_state(this_metric_vars, y, y_pred)
+            logs[metric.name] = metric.stateless_result(this_metric_vars)
+            new_metrics_vars += this_metric_vars
+        return logs, (trainable_variables, non_trainable_variables, new_metrics_vars)
+
+
+def functional(cls, activation=None):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return cls(inputs, keras.layers.Dense(1, activation=activation)(hidden))
+
+
+def arrays(y=Y, batch_size=BATCH, rows=ROWS):
+    return {"x": X[:rows], "y": y[:rows], "batch_size": batch_size}
+
+
+def dataset(y=Y, seed=None, batch_size=BATCH):
+    ds = tf.data.Dataset.from_tensor_slices((X, y))
+    if seed is not None:  # seeded: every process yields the same global batches
+        ds = ds.shuffle(ROWS, seed=seed)
+    return ds.batch(batch_size)
+
+
+def plain_model(activation=None):
+    return functional(keras.Model, activation)
+
+
+CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: not evaluated)
+    # the first two guide models cannot evaluate (Keras's test_step calls their compute_loss_and_updates)
+    "first_guide": dict(model=lambda: functional(FirstGuideModel), compile=dict(loss="mse", metrics=["mae"]),
+                        fit=arrays, evaluate=None),
+    "lower_level_guide": dict(model=lambda: functional(LowerLevelGuideModel), compile={},
+                              fit=lambda: {"x": dataset()}, evaluate=None),
+    "test_step_guide": dict(model=lambda: functional(TestStepGuideModel), compile=dict(loss="mae", metrics=["mae"]),
+                            fit=lambda: {"x": dataset()}, evaluate=lambda: {"x": dataset()}),
+    # keras.io's transfer-learning compile; a shuffled tf.data; the weather example's one batch of 239 rows
+    "compiled_user_metric": dict(
+        model=lambda: plain_model("sigmoid"),
+        compile=dict(loss="binary_crossentropy", metrics=[keras.metrics.BinaryAccuracy(name="acc")]),
+        fit=lambda: {"x": dataset(LABELS, seed=7), "validation_data": dataset(LABELS, batch_size=256)},
+        evaluate=lambda: arrays(LABELS, rows=224)),  # even batches: evaluate alone over processes
+    # NumPy's random state differs per process (no set_random_seed): every process draws process 0's permutation
+    "unseeded_shuffled_arrays": dict(model=plain_model, compile=dict(loss="mse"), fit=lambda: {**arrays(), "shuffle": True},
+                                     evaluate=None, before_fit=lambda: np.random.seed(100 + jax.process_index())),
+    # each process its own shuffle: over several processes one clear error, never process 0's batches alone
+    "per_process_shuffle": dict(model=plain_model, compile=dict(loss="mse"), several_processes_only=True,
+                                fit=lambda: {"x": dataset(seed=jax.process_index())}, evaluate=None),
+}
+
+
+class CaseFailed(Exception):
+    """fit and/or evaluate raised (each one's error in the message)."""
+
+
+def trained(case, distribute):
+    spec = CASES[case]
+    model = spec["model"]()
+    compile_kwargs = {k: [type(m).from_config(m.get_config()) if isinstance(m, keras.metrics.Metric) else m
+                          for m in v] if k == "metrics" else v for k, v in spec["compile"].items()}
+    model.compile(optimizer=keras.optimizers.SGD(0.1), distribute=distribute, **compile_kwargs)
+    spec.get("before_fit", lambda: None)()
+    history, evaluated, errors = {}, {}, []
+    try:
+        history = model.fit(**{"shuffle": False, **spec["fit"]()}, epochs=2, verbose=0).history
+    except Exception as exc:  # noqa: BLE001
+        errors.append(f"fit: {type(exc).__name__}: {exc}"[:2000])
+    try:  # also after a failed fit
+        if spec["evaluate"] is not None:
+            evaluated = model.evaluate(**spec["evaluate"](), verbose=0, return_dict=True)
+    except Exception as exc:  # noqa: BLE001
+        errors.append(f"evaluate: {type(exc).__name__}: {exc}"[:2000])
+    if errors:
+        raise CaseFailed(" | ".join(errors))
+    return model, {k: [float(v) for v in vs] for k, vs in history.items()}, {
+        k: float(v) for k, v in evaluated.items()}
+
+
+results = {"processes": jax.process_count(), "devices": jax.device_count()}
+for case in CASES:
+    if CASES[case].get("several_processes_only") and jax.process_count() == 1:
+        continue
+    try:
+        model, history, evaluated = trained(case, "data_parallel")
+    except CaseFailed as exc:
+        results[case] = {"error": str(exc)}
+        continue
+    plain, plain_history, plain_evaluated = trained(case, None)
+    results[case] = {
+        "max_dw": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                      for a, b in zip(model.get_weights(), plain.get_weights())),
+        "history": history, "plain_history": plain_history,
+        "evaluated": evaluated, "plain_evaluated": plain_evaluated,
+    }
+with open(f"{sys.argv[1]}.{jax.process_index()}", "w") as f:
+    json.dump(results, f, indent=1)
+print("DONE", flush=True)
