@@ -47,6 +47,17 @@ SCENARIOS = {"built": [], "unbuilt": ["--unbuilt"], "uneven": ["--rows", "46", "
              "no_metrics": ["--no-metrics", "--rows", "46", "--batch", "15"],
              "own_step": ["--custom-step", "--rows", "46", "--batch", "15"],
              "recompile": ["--recompile", "--rows", "46", "--batch", "15"]}
+#: keras.io "Customizing what happens in fit() with PyTorch" (tests/workers/torch_guides.py), none of whose steps calls
+#: scale_loss: 11 rows in batches of 4 (a last batch of 3: shares of 1 and 2 rows), 9 rows (a last batch of 1: one
+#: rank's share empty). Also scenarios of the shared launch, and of the torchrun test.
+GUIDES = {"guide_first": ["--guide", "first", "--rows", "11", "--batch", "4"],
+          "guide_first_sync_bn": ["--guide", "first_bn", "--sync-bn", "--rows", "11", "--batch", "4"],
+          "guide_lower": ["--guide", "lower", "--rows", "9", "--batch", "4"],
+          "guide_sample_weight": ["--guide", "sample_weight", "--rows", "11", "--batch", "4"],
+          "guide_test_step": ["--guide", "test_step", "--rows", "9", "--batch", "4"],
+          "guide_gan_data_noise": ["--guide", "gan_data_noise", "--rows", "11", "--batch", "4"],
+          "guide_gan": ["--guide", "gan", "--rows", "9", "--batch", "4"]}
+SCENARIOS.update(GUIDES)
 #: run only under the launch: the SIGKILL test's uninterrupted 4-epoch run
 LAUNCH_ONLY = {"uninterrupted": ["--epochs", "4"]}
 
@@ -118,10 +129,42 @@ def test_kerasdist_launch_two_ranks_train_like_one_process(two_ranks, one_proces
 
 
 def test_torchrun_two_ranks_train_like_one_process(tmp_path, one_process):
-    run([TORCHRUN, "--standalone", "--nproc-per-node", "2", WORKER, str(tmp_path)], timeout=TIMEOUT, env=_env())
-    ranks = [np.load(os.path.join(tmp_path, f"rank{r}.npz")) for r in range(2)]
-    _assert_like_one_process(ranks, _scenario(one_process, "built", [0])[0], atol=1e-5)
+    """The default model and keras.io's custom steps, under torchrun (one start-up for all)."""
+    runs = _run_scenarios(tmp_path, {name: SCENARIOS[name] for name in ("built", *GUIDES)},
+                          [TORCHRUN, "--standalone", "--nproc-per-node", "2"])
+    _assert_like_one_process(_scenario(runs, "built"), _scenario(one_process, "built", [0])[0], atol=1e-5)
+    for name in GUIDES:
+        _assert_guide_step(runs, one_process, name)
     _no_process_left(str(tmp_path))
+
+
+def _assert_guide_step(runs, one_process, name):
+    """Both ranks hold the same weights and log the same figures, those of one process (within 1e-5) where the
+    step's randomness is the same (the guide's GAN draws its latent vectors per rank: ranks identical only)."""
+    first, second = ranks = _scenario(runs, name)
+    for got, other in zip(_weights(first), _weights(second)):
+        np.testing.assert_array_equal(got, other, err_msg=name)
+    logs = ["batch_logs", "evaluate", *(k for k in first.files if k.startswith("history_"))]
+    for key in logs:
+        np.testing.assert_array_equal(first[key], second[key], err_msg=f"{name}: {key}")
+    if name == "guide_gan":
+        return
+    single = _scenario(one_process, name, [0])[0]
+    assert sorted(k for k in single.files if k.startswith("history_")) == sorted(logs[2:]), name
+    for rank in ranks:
+        for got, want in zip(_weights(rank), _weights(single)):
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
+        for key in logs:
+            np.testing.assert_allclose(rank[key], single[key], atol=1e-5, rtol=1e-6, err_msg=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", list(GUIDES))
+def test_keras_io_custom_steps_train_like_one_process(two_ranks, one_process, name):
+    """keras.io's torch custom steps (no scale_loss: each rank's gradient weighted by its rows in apply; with
+    synchronized BatchNormalization also in its backward all-reduce), a step's own logs
+    (``{m.name: m.result()}``, trackers made in ``__init__``) the global batch's in every rank, a custom
+    ``test_step`` in ``evaluate``, both optimizers of a GAN averaged (its ranks identical), an empty share."""
+    _assert_guide_step(two_ranks, one_process, name)
 
 
 def test_a_model_built_by_fit_trains_like_one_process(two_ranks, one_process):

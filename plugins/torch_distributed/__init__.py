@@ -15,7 +15,7 @@ from typing import Optional
 
 import kerasdist
 from kerasdist.plugin_tools import (check_choice, check_number, keras_backend, keras_wraps_ddp,
-                                    synchronize_torch_batch_norm)
+                                    optimizers_held_by, synchronize_torch_batch_norm)
 
 from . import group, launching  # the modules that use Keras are imported by the hooks (none at plugin loading)
 from .sharding import create_fsdp_group, register_fsdp, shard_model, shard_optimizer  # noqa: F401  distribute="fsdp"
@@ -125,12 +125,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if keras_wraps_ddp():
         return
     if spec.sync_batch_norm:
-        import torch.distributed.nn.functional as dist_functional
-
         from . import training
 
         state = training.state_of(model)
-        synchronize_torch_batch_norm(model, dist_functional.all_reduce,
+        synchronize_torch_batch_norm(model, training.sum_across_ranks(state),
                                      lambda: 0.0 if state.placeholder else 1.0)
 
 
@@ -185,7 +183,8 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
         if isinstance(x, RankShare) and len(x):
             symbolic_build(model, x[0])
     if not keras_wraps_ddp():
-        training.install(model, model.optimizer)
+        training.install(model)
         if method == "fit" and model.built:
-            training.broadcast_from_rank0(list(model.variables) + list(model.optimizer.variables))
+            training.broadcast_from_rank0(list(model.variables)  # every optimizer's state (a GAN's two) too
+                                          + [v for o in optimizers_held_by(model) for v in o.variables])
     return call(**call_kwargs)

@@ -1,21 +1,24 @@
 """What makes the ranks train as one device on the global batch: the same starting weights, gradients of
 the global mean loss, and the same (all-reduced) metrics in every rank.
 
-Gradients: each rank's loss (Keras's mean over its rows) is multiplied by ``n_r / u`` before the backward
-pass (``optimizer.scale_loss``), ``n_r`` its row count and ``u`` the largest share of the first step (the
-same in every rank, so a full batch weighs 1: float16 gradients are not inflated); ``optimizer.apply`` sums
-the gradients and the weights of every rank in one ``all_reduce`` over one flat buffer and divides by the
-summed weight: the gradient of the global mean, ``sum_r (n_r / N) grad_r``, also when the ranks' shares
-differ (an uneven last batch) or one is empty. Because the weighting happens before backward, gradients that
-cross ranks through synchronized BatchNormalization are weighted right too. Keras then applies its own
-clipping, loss scaling and gradient accumulation to that gradient, exactly as on one device. A gradient that
-is None (a weight the loss does not reach) stays None.
+Gradients: each rank's gradient of its loss (a mean over its rows) is weighted by ``n_r / u``, ``n_r`` its
+row count and ``u`` the largest share of the first step (the same in every rank, so a full batch weighs 1:
+float16 gradients are not inflated): before the backward pass when the step calls ``optimizer.scale_loss``
+(Keras's own step, a LossScaleOptimizer), else in ``optimizer.apply`` (a custom step such as keras.io's, which
+calls ``loss.backward()`` itself). ``apply`` sums the gradients and the weights of every rank in one
+``all_reduce`` over one flat buffer and divides by the summed weight: the gradient of the global mean,
+``sum_r (n_r / N) grad_r``, also when the ranks' shares differ (an uneven last batch) or one is empty.
+Gradients that cross ranks through synchronized BatchNormalization are weighted in its backward all-reduce
+(:func:`sum_across_ranks`) when the weighting waits for ``apply``. Every optimizer the model holds (a GAN's
+two) is wrapped so. Keras then applies its own clipping, loss scaling and gradient accumulation to that
+gradient, exactly as on one device. A gradient that is None (a weight the loss does not reach) stays None.
 
 Metrics: every rank logs the metrics of every rank (their states summed, additive: totals, counts, confusion
 counts). With Keras's own ``train_step`` and ``compute_metrics`` the states the step has already updated when
 ``optimizer.apply`` runs (the loss trackers) travel in the gradients' all-reduce, and only the compiled
 metrics, updated after it, need a second (small) one: one collective a step for a model compiled without
-``metrics=``. With a custom step every state is summed when the results are read.
+``metrics=``. A custom train step and every test step: custom_steps.py sums the metrics' changes and
+reduces the step's own logs after each step.
 
 A rank whose share of a batch is empty gets a placeholder row (data.py marks it with a sample weight of
 -0.0): it runs the same forward/backward (the same collectives) with weight 0, and its metrics are untouched.
@@ -25,7 +28,7 @@ import math
 
 import keras
 
-from kerasdist.plugin_tools import compiled_metrics, keras_step_order_is_known, unique_variables
+from kerasdist.plugin_tools import compiled_metrics, keras_step_order_is_known, optimizers_held_by, unique_variables
 
 PLACEHOLDER_MARK = -0.0  # the sample weight of a placeholder row (a rank with no rows in this batch)
 
@@ -39,6 +42,9 @@ class StepState:
     unit = None  # the largest share of the first training step, agreed by every rank
     early_states = None  # metric states updated before optimizer.apply (Keras's own step): summed with the grads
     early_sums = None  # their sums over the ranks, for this step's get_metrics_result
+    loss_scaled = False  # scale_loss weighted this step's loss (before backward) since the last apply
+    metrics_global = False  # the metric states already hold every rank's updates (custom_steps.py)
+    batch_level = frozenset()  # the metrics updated with one scalar in this step (custom_steps.py)
 
     @property
     def weight(self):
@@ -80,31 +86,41 @@ def state_of(model):
     return state
 
 
-def install(model, optimizer):
-    """Wrap this model's steps, its optimizer's ``scale_loss``/``apply`` and ``get_metrics_result`` (instance
-    attributes: other models and optimizers are untouched). Idempotent per object."""
+def install(model):
+    """Wrap this model's steps, ``get_metrics_result``, and the ``scale_loss``/``apply`` of every optimizer it
+    holds (instance attributes: other models and optimizers are untouched). Idempotent per object; an
+    optimizer set later (a recompile, a GAN's own ``compile``) is wrapped at the next call."""
     state = state_of(model)
     if "_kerasdist_torch" not in model.__dict__:
         model._kerasdist_torch = True
         model.train_step = _train_step(model, model.train_step, state)
-        model.test_step = _test_step(model, model.test_step)
+        model.test_step = _test_step(model, model.test_step, state)
         model.get_metrics_result = _all_reduced_metrics(model, model.get_metrics_result, state)
-    if "_kerasdist_torch" not in optimizer.__dict__:
-        optimizer._kerasdist_torch = True
-        optimizer.scale_loss = _weighted_loss(optimizer.scale_loss, state)
-        optimizer.apply = _averaged_apply(optimizer.apply, state)
+    for optimizer in optimizers_held_by(model):
+        if "_kerasdist_torch" not in optimizer.__dict__:
+            optimizer._kerasdist_torch = True
+            scaled = [False]  # this optimizer's scale_loss ran since its last apply
+            optimizer.scale_loss = _weighted_loss(optimizer.scale_loss, state, scaled)
+            optimizer.apply = _averaged_apply(optimizer.apply, state, scaled)
 
 
 def _train_step(model, original, state):
-    order_known = keras_step_order_is_known(model)  # asked before the instance's train_step is replaced
+    if not keras_step_order_is_known(model):  # asked before the instance's train_step is replaced
+        from .custom_steps import summed_step
+
+        def custom_train_step(data):
+            return summed_step(model, state, original, data, training=True)
+
+        return custom_train_step
 
     def train_step(data):
         try:
-            state.early_states = _states_before_apply(model) if order_known else None
+            state.metrics_global = state.loss_scaled = False
+            state.early_states = _states_before_apply(model)
             state.placeholder = is_placeholder(data)
             state.rows = 0 if state.placeholder else local_rows(data)
             if state.unit is None:
-                state.unit = _largest(state.rows)
+                state.unit = largest(state.rows)
             return original(data) if not state.placeholder else _placeholder_step(model, data)
         finally:
             state.early_states = state.early_sums = None
@@ -131,7 +147,7 @@ def _placeholder_step(model, data):
     return model.get_metrics_result()
 
 
-def _largest(rows):
+def largest(rows):
     import torch
     import torch.distributed as dist
 
@@ -140,27 +156,30 @@ def _largest(rows):
     return max(float(value), 1.0)
 
 
-def _test_step(model, original):
-    def test_step(data):
-        if is_placeholder(data):
-            return model.get_metrics_result()
-        return original(data)
+def _test_step(model, original, state):
+    from .custom_steps import summed_step
+
+    def test_step(data):  # Keras's own or a custom one: the metrics' changes summed after each step
+        return summed_step(model, state, original, data, training=False)
 
     return test_step
 
 
-def _weighted_loss(original, state):
+def _weighted_loss(original, state, scaled):
     def scale_loss(loss):
+        scaled[0] = state.loss_scaled = True
         return original(loss) * state.weight
 
     return scale_loss
 
 
-def _averaged_apply(original, state):
+def _averaged_apply(original, state, scaled):
     def apply(grads, trainable_variables=None):
         import torch
         import torch.distributed as dist
 
+        factor = 1.0 if scaled[0] else state.weight  # the loss was not weighted: its gradient is, here
+        scaled[0] = state.loss_scaled = False
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else [None] * len(grads)
         device = next((g.device for g in grads if g is not None), "cpu")
@@ -168,7 +187,7 @@ def _averaged_apply(original, state):
         # every rank sends the same buffer, whichever of its gradients are None
         likes = [g if g is not None else v.value if v is not None else torch.zeros(0, device=device)
                  for g, v in zip(grads, variables)]
-        parts = [g.reshape(-1).float() if g is not None else torch.zeros(like.numel(), device=device)
+        parts = [_weighted(g, factor) if g is not None else torch.zeros(like.numel(), device=device)
                  for g, like in zip(grads, likes)]
         early = state.early_states or []
         flags = [float(g is not None) for g in grads] + [state.weight]
@@ -186,6 +205,41 @@ def _averaged_apply(original, state):
         return original(averaged, trainable_variables)
 
     return apply
+
+
+def _weighted(grad, factor):
+    """A gradient, flat, in float32, times ``factor`` (0: an empty share adds exact zeros, never NaN)."""
+    import torch
+
+    flat = grad.reshape(-1).float()
+    if factor == 1.0:
+        return flat
+    return flat * factor if factor else torch.zeros_like(flat)
+
+
+def sum_across_ranks(state):
+    """A sum over the ranks with autograd for synchronized BatchNormalization (the gradient is summed over the
+    ranks too). When the step weights its gradients in ``apply`` (it did not call ``scale_loss``), each rank's
+    incoming gradient is weighted by its share before the sum and the sum divided by it after, so that
+    ``apply``'s weighting leaves every rank's contribution weighted by its own share."""
+    import torch
+    import torch.distributed as dist
+
+    class SumAcrossRanks(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            total = tensor.clone()
+            dist.all_reduce(total)
+            return total
+
+        @staticmethod
+        def backward(ctx, grad):
+            weight = 1.0 if state.loss_scaled else state.weight
+            total = grad * weight
+            dist.all_reduce(total)
+            return total / weight if weight else total
+
+    return SumAcrossRanks.apply
 
 
 def _states_before_apply(model):
@@ -217,6 +271,8 @@ def _all_reduced_metrics(model, original, state):
         import torch
         import torch.distributed as dist
 
+        if state.metrics_global:
+            return original()
         taken = state.early_sums is not None  # this step's apply summed the early states
         summed, sums = (list(state.early_states), list(state.early_sums)) if taken else ([], [])
         state.early_sums = None  # read once: a later call (epoch end) sums every state again

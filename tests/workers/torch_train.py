@@ -2,7 +2,7 @@
 
 Usage: torch_train.py OUT_DIR [--epochs N] [--batch B] [--rows R] [--distribute WORD|none] [--input arrays|
 dataloader|pydataset|tfdata] [--policy P] [--accumulate K] [--bn] [--sync-bn] [--backup DIR]
-[--checkpoint] [--no-metrics] [--custom-step] [--recompile]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E
+[--checkpoint] [--no-metrics] [--custom-step] [--recompile] [--guide NAME]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E
 (1-based). Writes OUT_DIR/rank{r}.npz (weights, history, each batch's logs and all-reduce count, evaluate,
 predict).
 ``main(argv)`` runs one job in this process (tests/workers/torch_cases.py runs several in turn).
@@ -41,6 +41,7 @@ def arguments(argv=None):
     parser.add_argument("--seed", type=int, default=1, help="rank 0's weight seed (rank r: seed + r)")
     parser.add_argument("--no-metrics", action="store_true", help="compile without metrics=")
     parser.add_argument("--custom-step", action="store_true", help="a model class with its own train_step")
+    parser.add_argument("--guide", default=None, help="a keras.io custom-step model (tests/workers/torch_guides.py)")
     parser.add_argument("--recompile", action="store_true",
                         help="first compile without metrics and fit an epoch, then compile again (a new optimizer)")
     return parser.parse_args(argv)
@@ -83,7 +84,8 @@ class BatchLogs(keras.callbacks.Callback):
         ALL_REDUCES[0] = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self.rows.append([float(logs[k]) for k in sorted(logs)])
+        self.rows.append([float(v) for k in sorted(logs) for v in keras.tree.flatten(logs[k])])
+
         self.all_reduces.append(ALL_REDUCES[0])
 
 
@@ -145,11 +147,15 @@ class KillInEpoch(keras.callbacks.Callback):
 def main(argv=None):
     args = arguments(argv)
     keras.mixed_precision.set_global_policy(args.policy)
+    distribute = None if args.distribute == "none" else (
+        kerasdist.spec(args.distribute, sync_batch_norm=True) if args.sync_bn else args.distribute)
+    if args.guide:
+        import torch_guides
+
+        return torch_guides.main(args, distribute, BatchLogs())
     x, y = data(args.rows)
     # each rank draws other initial weights: rank 0's must reach every rank (one process: rank 0's seed)
     net = model(args.bn, args.unbuilt, args.seed + int(os.environ.get("RANK", "0")), args.custom_step)
-    distribute = None if args.distribute == "none" else (
-        kerasdist.spec(args.distribute, sync_batch_norm=True) if args.sync_bn else args.distribute)
     if args.recompile:  # a user's first stage (e.g. a frozen base), then the model compiled again
         net.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", distribute=distribute)
         net.fit(**as_input(args.input, x, y, args.batch), epochs=1, shuffle=False, verbose=0)

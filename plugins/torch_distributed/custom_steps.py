@@ -1,0 +1,163 @@
+"""A custom ``train_step`` (keras.io "Customizing what happens in fit() with PyTorch") and every ``test_step``
+on several ranks: the metrics and the step's own logs of the global batch, the same in every rank.
+
+After the step, ONE all-reduce carries each metric state's change in this step and the step's logs that no
+metric backs. A metric updated with one scalar per step (``tracker.update_state(loss)``: a mean of batch
+losses) adds its ranks' changes weighted by their rows (``sum_r n_r / N * change_r``: the global batch's
+loss, counted once); every other update (per row: ``update_state(y, y_pred)``, Keras's own loss tracker
+weighted by the batch size) adds the changes. Every rank then holds the summed states, and the returned logs
+are recomputed: a value that is a metric's result (``{m.name: m.result() for m in self.metrics}``, or
+``get_metrics_result()``'s) is that metric's new result; any other float value is averaged over the ranks
+weighted by their rows (the global batch's value of a mean over rows).
+
+A rank whose share of the batch is empty runs the same step on the placeholder row (as ``(x, y)``: the same
+collectives in every rank) with weight 0; its model state (BatchNormalization's moving statistics) is put back.
+"""
+
+import keras
+
+from kerasdist.plugin_tools import unique_variables
+
+from .training import is_placeholder, largest, local_rows
+
+
+def summed_step(model, state, step, data, training):
+    """Run ``step(data)`` (the model's own ``train_step`` or ``test_step``) and reduce what it changed."""
+    import torch
+
+    placeholder = is_placeholder(data)
+    state.placeholder, state.rows = placeholder, 0 if placeholder else _rows(data)
+    if training and state.unit is None:
+        state.unit = largest(state.rows)
+    state.metrics_global = True  # get_metrics_result in the step: this rank's values (reduced below)
+    state.loss_scaled = False
+    metrics = _metrics(model)
+    for metric in metrics:
+        _watch(metric, state)
+    variables = unique_variables(v for m in metrics for v in m.variables)
+    before = [v.value.detach().clone() for v in variables]
+    kept = _model_state(model) if placeholder else []
+    state.batch_level = set()
+    logs = step(_without_mark(data) if placeholder else data)
+    with torch.no_grad():
+        for variable, value in kept:
+            variable.value.copy_(value)
+    return _reduced(model, state, metrics, variables, before, logs)
+
+
+def _reduced(model, state, metrics, variables, before, logs):
+    import torch
+    import torch.distributed as dist
+
+    rows = float(state.rows)
+    batch_level = {id(v) for m in metrics if id(m) in state.batch_level for v in m.variables}
+    local_results = _results(model, metrics)
+    backed = [k for k, v in logs.items() if k in local_results and _same(v, local_results[k])] \
+        if isinstance(logs, dict) else []
+    loose = [k for k, v in logs.items() if k not in backed and _floats(v)] if isinstance(logs, dict) else []
+    loose_leaves = [keras.tree.flatten(logs[k]) for k in loose]
+    device = next((b.device for b in before), "cpu")
+    parts = []
+    for variable, value in zip(variables, before):
+        change = (variable.value.detach() - value).reshape(-1).double()
+        parts.append(change * (rows if id(variable) in batch_level else float(rows > 0)))
+    parts += [torch.as_tensor(leaf, device=device).detach().reshape(-1).double() * rows
+              for leaves in loose_leaves for leaf in leaves]
+    parts.append(torch.tensor([rows], dtype=torch.float64, device=device))
+    flat = torch.cat(parts)
+    dist.all_reduce(flat)
+    total_rows = float(flat[-1]) or 1.0
+    at = 0
+    with torch.no_grad():
+        for variable, value in zip(variables, before):
+            size = value.numel()
+            change = flat[at:at + size].reshape(value.shape)
+            if id(variable) in batch_level:
+                change = change / total_rows
+            variable.value.copy_((value.double() + change).to(value.dtype))
+            at += size
+    if not isinstance(logs, dict):
+        return logs
+    results = _results(model, metrics)
+    reduced = dict(logs)
+    for key in backed:
+        reduced[key] = results[key]
+    for key, leaves in zip(loose, loose_leaves):
+        averaged = []
+        for leaf in leaves:
+            size = torch.as_tensor(leaf).numel()
+            averaged.append((flat[at:at + size] / total_rows).reshape(torch.as_tensor(leaf).shape).float())
+            at += size
+        reduced[key] = keras.tree.pack_sequence_as(logs[key], averaged)
+    return reduced
+
+
+def _metrics(model):
+    seen, found = set(), []
+    for metric in model.metrics:
+        if id(metric) not in seen:
+            seen.add(id(metric))
+            found.append(metric)
+    return found
+
+
+def _results(model, metrics):
+    """Each log name a metric's value can have: the model's ``get_metrics_result()`` names and each metric's
+    own name (``{m.name: m.result()}``: a compiled metrics' container gives a dict)."""
+    results = {m.name: m.result() for m in metrics}
+    results.update(model.get_metrics_result())
+    return results
+
+
+def _same(value, result):
+    import torch
+
+    values, results = keras.tree.flatten(value), keras.tree.flatten(result)
+    return len(values) == len(results) and all(
+        torch.equal(torch.as_tensor(a).detach().cpu(), torch.as_tensor(b).detach().cpu())
+        for a, b in zip(values, results))
+
+
+def _floats(value):
+    import torch
+
+    leaves = keras.tree.flatten(value)
+    return bool(leaves) and all(
+        isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()) for leaf in leaves)
+
+
+def _watch(metric, state):
+    """Mark ``metric`` in ``state.batch_level`` when it is updated with one scalar and no sample weight."""
+    if "_kerasdist_watched" in metric.__dict__:
+        return
+    update = metric.update_state
+
+    def update_state(*args, **kwargs):
+        values = args[0] if args else kwargs.get("values")
+        if len(args) <= 1 and kwargs.get("sample_weight") is None and set(kwargs) <= {"values", "sample_weight"} \
+                and len(getattr(values, "shape", ())) == 0:
+            state.batch_level.add(id(metric))
+        return update(*args, **kwargs)
+
+    object.__setattr__(metric, "_kerasdist_watched", True)
+    object.__setattr__(metric, "update_state", update_state)
+
+
+def _rows(data):
+    try:
+        return local_rows(data)
+    except ValueError:  # a custom step's own structure (more than x, y, sample_weight)
+        first = next((t for t in keras.tree.flatten(data) if t is not None), None)
+        return int(first.shape[0]) if first is not None and len(first.shape) else 1
+
+
+def _without_mark(data):
+    """The placeholder batch as a custom step expects it: ``(x, y)`` or ``x`` (its marking weight dropped)."""
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+    return x if y is None else (x, y)
+
+
+def _model_state(model):
+    """The model's float non-trainable variables and their values (what an empty share must not change)."""
+    return [(v, v.value.detach().clone()) for v in model.non_trainable_variables
+            if keras.backend.is_float_dtype(v.dtype)]
