@@ -7,7 +7,9 @@ one table row to change, never an ImportError in a user's process (issue 30: a d
 
 import ast
 import contextlib
+import functools
 import os
+import re
 import shutil
 
 import pytest
@@ -16,6 +18,7 @@ from tests.helpers import ROOT
 
 SCANNED = ("kerasdist", "plugins")
 TABLE = os.path.join("kerasdist", "_keras_internals", "versions.py")
+INTERNALS = os.path.join("kerasdist", "_keras_internals") + os.sep
 
 
 def _is_private_path(name):
@@ -85,6 +88,93 @@ def test_no_file_but_the_version_table_reaches_keras_private_modules():
         "Keras's private modules (keras.src) are named only in kerasdist/_keras_internals/versions.py: add a "
         "row to versions.PIECES (a location per Keras line) and look it up with locate()/owner_of()/require(). "
         "Found:\n" + "\n".join(breaches))
+
+
+# -- private attributes: only kerasdist/_keras_internals/ reads or replaces them --------------------------------
+
+_DEFINED = re.compile(r"self\.(_[a-z]\w*)\s*=|def (_[a-z]\w*)\(self")
+
+
+def _private_names_in(top, skip="\0"):
+    names = set()
+    for folder, _, files in os.walk(top):
+        for name in files:
+            if name.endswith(".py") and not os.path.join(folder, name).startswith(skip):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    names.update(a or b for a, b in _DEFINED.findall(f.read()))
+    return names
+
+
+@functools.lru_cache(maxsize=None)
+def keras_private_names():
+    """The private attribute and method names Keras's own classes define (``self._x = ...``, ``def _x(self``),
+    less those kerasdist's own classes outside the internals define too (a plugin's ``ring._lock`` is its own)."""
+    import keras
+
+    ours = set().union(*(_private_names_in(os.path.join(ROOT, top), os.path.join(ROOT, INTERNALS)) for top in SCANNED))
+    return frozenset(_private_names_in(os.path.join(os.path.dirname(keras.__file__), "src")) - ours)
+
+
+def private_attribute_uses(source, names, filename="<source>"):
+    """``[(line, what)]``: each ``obj._x`` (``getattr(obj, "_x")``, ...) with ``_x`` in ``names``, on anything
+    but ``self``/``cls``, or on ``self`` inside a class deriving from a ``keras.`` class."""
+    tree = ast.parse(source, filename)
+    keras_self = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(ast.unparse(b).startswith("keras.") for b in node.bases):
+            keras_self.update(id(n) for n in ast.walk(node))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            receiver = node.value
+            if isinstance(receiver, ast.Name) and receiver.id in ("self", "cls") and id(node) not in keras_self:
+                continue
+            found.append((node.lineno, f"{ast.unparse(receiver)}.{node.attr}"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and node.args[1].value in names):
+            found.append((node.lineno, f"{node.func.id}(..., {node.args[1].value!r})"))
+    return sorted(set(found))
+
+
+def private_attribute_breaches(root, names):
+    breaches = []
+    for top in SCANNED:
+        for folder, _, files in os.walk(os.path.join(root, top)):
+            for name in sorted(files):
+                path = os.path.join(folder, name)
+                relative = os.path.relpath(path, root)
+                if name.endswith(".py") and not relative.startswith(INTERNALS):
+                    with open(path, encoding="utf-8") as f:
+                        breaches += [f"{relative}:{line}: {what}"
+                                     for line, what in private_attribute_uses(f.read(), names, path)]
+    return breaches
+
+
+def test_only_the_internals_touch_keras_private_attributes():
+    breaches = private_attribute_breaches(ROOT, keras_private_names())
+    assert not breaches, (
+        "Keras's private attributes and methods are read or replaced only in kerasdist/_keras_internals/ (a "
+        "function there, with a contract test; a renamed one in versions.INSTANCE_ATTRIBUTES). Found:\n"
+        + "\n".join(breaches))
+
+
+@pytest.mark.parametrize("planted_line,found", [
+    ("metrics = model._compile_metrics", "model._compile_metrics"),
+    ("moments = getattr(layer, '_moments')", "getattr(..., '_moments')"),
+    ("model.optimizer._var_key(variable)", "model.optimizer._var_key"),
+])
+def test_a_planted_private_attribute_use_in_a_plugin_is_found(planted_line, found):
+    names = keras_private_names()
+    assert private_attribute_uses(f"def planted(model, layer, variable):\n    {planted_line}\n", names) == [(2, found)]
+
+
+def test_self_is_a_keras_private_only_in_a_class_deriving_from_keras():
+    names = keras_private_names()
+    own = "class Own:\n    def f(self):\n        return self._compile_metrics\n"
+    derived = "import keras\nclass Step(keras.Model):\n    def f(self):\n        return self._compile_metrics\n"
+    assert private_attribute_uses(own, names) == []
+    assert private_attribute_uses(derived, names) == [(4, "self._compile_metrics")]
 
 
 PLANTED = {
