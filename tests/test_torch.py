@@ -58,8 +58,8 @@ GUIDES = {"guide_first": ["--guide", "first", "--rows", "11", "--batch", "4"],
           "guide_gan_data_noise": ["--guide", "gan_data_noise", "--rows", "11", "--batch", "4"],
           "guide_gan": ["--guide", "gan", "--rows", "9", "--batch", "4"]}
 SCENARIOS.update(GUIDES)
-#: run only under the launch: the SIGKILL test's uninterrupted 4-epoch run
-LAUNCH_ONLY = {"uninterrupted": ["--epochs", "4"]}
+#: run only under the launch: a loss summed over rows (refused), the SIGKILL test's uninterrupted 4-epoch run
+LAUNCH_ONLY = {"sum_loss": ["--loss-reduction", "sum"], "uninterrupted": ["--epochs", "4"]}
 
 
 def _run_scenarios(out, scenarios, command, **env):
@@ -216,6 +216,17 @@ def test_sigkilled_worker_job_ends_then_resumes_from_the_backup(tmp_path, two_ra
 
 
 # -- bad input -------------------------------------------------------------------------------------
+
+def test_a_loss_summed_over_rows_is_refused_at_compile_in_every_rank(two_ranks):
+    """reduction="sum" trained 3.7e-2 off one process (each rank's gradient was weighted as a mean's), silently."""
+    out, output, _ = two_ranks
+    for rank in (0, 1):
+        path = os.path.join(out, f"sum_loss.error-rank{rank}.txt")
+        assert os.path.exists(path), output[-3000:]
+        raised = open(path).read()
+        assert raised.startswith("KerasdistError") and "reduction 'sum'" in raised, raised
+        assert "sum_over_batch_size" in raised and "scale the learning rate" in raised, raised
+
 
 def _torch_snippet(code, **env):
     return run(python("-c", code), timeout=120, env=_env(**env), check=False)

@@ -118,6 +118,13 @@ def kerasdist_prepare_model(model, strategy, spec):
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     if not _own(spec, strategy) or strategy.world_size < 2:
         return
+    other = sorted(_loss_reductions(compile_kwargs.get("loss")) - set(MEAN_REDUCTIONS))
+    if other:  # each rank's gradient is weighted as that of a mean over its rows
+        raise kerasdist.KerasdistError(
+            f"distribute={NAME!r} (torch) averages the ranks' gradients of a loss that is a mean over rows; a loss "
+            f"with reduction {', '.join(map(repr, other))} would train other weights than one process: give every "
+            f"loss a mean reduction ({', '.join(MEAN_REDUCTIONS)}; Keras's default) and scale the learning rate "
+            "by the global batch size if you need a sum.")
     if spec.keep_freed_memory and strategy.device == "cpu":  # per compile: the strategy is shared by identity
         from . import allocator
 
@@ -130,6 +137,18 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
         state = training.state_of(model)
         synchronize_torch_batch_norm(model, training.sum_across_ranks(state),
                                      lambda: 0.0 if state.placeholder else 1.0)
+
+
+#: the loss reductions that average over rows (Keras's default "sum_over_batch_size" among them)
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def _loss_reductions(loss):
+    """The reductions of compile's losses: a ``keras.losses.Loss``'s own, Keras's default for names/functions."""
+    import keras
+
+    return {str(getattr(item, "reduction", "sum_over_batch_size")) for item in keras.tree.flatten(loss)
+            if item is not None}
 
 
 # -- fit / evaluate / predict -----------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Usage: torch_train.py OUT_DIR [--epochs N] [--batch B] [--rows R] [--distribute WORD|none] [--input arrays|
 dataloader|pydataset|tfdata] [--policy P] [--accumulate K] [--bn] [--sync-bn] [--backup DIR]
-[--checkpoint] [--no-metrics] [--custom-step] [--recompile] [--guide NAME]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E
+[--checkpoint] [--no-metrics] [--custom-step] [--recompile] [--loss-reduction R] [--guide NAME]; TORCH_TEST_KILL_AT=E SIGKILLs rank 1 in epoch E
 (1-based). Writes OUT_DIR/rank{r}.npz (weights, history, each batch's logs and all-reduce count, evaluate,
 predict).
 ``main(argv)`` runs one job in this process (tests/workers/torch_cases.py runs several in turn).
@@ -41,6 +41,7 @@ def arguments(argv=None):
     parser.add_argument("--seed", type=int, default=1, help="rank 0's weight seed (rank r: seed + r)")
     parser.add_argument("--no-metrics", action="store_true", help="compile without metrics=")
     parser.add_argument("--custom-step", action="store_true", help="a model class with its own train_step")
+    parser.add_argument("--loss-reduction", default=None, help="mse with this reduction (default: Keras's)")
     parser.add_argument("--guide", default=None, help="a keras.io custom-step model (tests/workers/torch_guides.py)")
     parser.add_argument("--recompile", action="store_true",
                         help="first compile without metrics and fit an epoch, then compile again (a new optimizer)")
@@ -160,7 +161,8 @@ def main(argv=None):
         net.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", distribute=distribute)
         net.fit(**as_input(args.input, x, y, args.batch), epochs=1, shuffle=False, verbose=0)
     optimizer = keras.optimizers.SGD(0.05, gradient_accumulation_steps=args.accumulate)
-    net.compile(optimizer=optimizer, loss="mse", metrics=None if args.no_metrics else ["mae"],
+    loss = keras.losses.MeanSquaredError(reduction=args.loss_reduction) if args.loss_reduction else "mse"
+    net.compile(optimizer=optimizer, loss=loss, metrics=None if args.no_metrics else ["mae"],
                 distribute=distribute)
     batch_logs = BatchLogs()
     callbacks = [batch_logs]
