@@ -19,7 +19,8 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replica
                                update_loss_scale_once_per_step,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
-                               is_multiworker_strategy, lay_out_variables, make_chief_aware_backup,
+                               is_multiworker_strategy, keras_array_batches, tf_global_seed,
+                               lay_out_variables, make_chief_aware_backup,
                                move_to_strategy, parameter_server_strategy, refresh_call_signature,
                                route_gradient_all_reduce, state_unlocked,
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
@@ -47,7 +48,7 @@ __all__ = [
     "set_process_group", "process_group_size", "gather_across_processes",
     # Keras / TensorFlow adapters
     "CHECKED_KERAS_VERSIONS", "move_to_strategy", "bound_strategy", "bind_model", "unbound_from_strategy",
-    "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce",
+    "install_multiworker_fit_fixes", "is_multiworker_strategy", "route_gradient_all_reduce", "tf_global_seed",
     "set_log_summer", "tf_context_initialized", "configure_coordination", "make_chief_aware_backup",
     "parameter_server_strategy", "symbolic_build",
     "flatten_metrics_in_order", "lay_out_variables", "variable_layout", "weight_replicas_by_batch_share",
@@ -169,7 +170,7 @@ def is_dataset(value):
     return data is not None and isinstance(value, data.Dataset)
 
 
-def arrays_as_dataset(call_kwargs, seed=None, method="fit"):
+def arrays_as_dataset(call_kwargs, seed=None, method="fit", keras_order=False):
     """Feed a ``fit``/``evaluate`` call's in-memory arrays as one batched ``tf.data.Dataset``.
 
     ``call_kwargs`` (the call's keyword arguments) is changed in place when ``x``, ``y`` and
@@ -177,7 +178,9 @@ def arrays_as_dataset(call_kwargs, seed=None, method="fit"):
     cut off first as Keras does (the last samples, before shuffling), the rest is shuffled with
     ``seed`` every epoch (None: kept in order) and batched by ``batch_size`` (default 32). The same
     seed gives every worker the same order, where Keras's own shuffle is unseeded. Returns whether
-    it replaced the arrays. ``method`` is the Keras method called ("fit" or "evaluate").
+    it replaced the arrays. ``method`` is the Keras method called ("fit" or "evaluate"). ``keras_order``
+    (with ``seed``): shuffled by Keras's own pipeline instead, whose permutation follows TensorFlow's global
+    seed: processes that all called ``keras.utils.set_random_seed(s)`` draw one process's order.
     """
     import numpy as np
 
@@ -194,12 +197,17 @@ def arrays_as_dataset(call_kwargs, seed=None, method="fit"):
         at = int(np.floor(len(_first_array(x)) * (1.0 - split)))
         call_kwargs["validation_data"] = tuple(_slice(p, at, None) for p in parts)
         parts = [_slice(p, 0, at) for p in parts]
-    # tf.data reads a Python list as one tensor: lists of arrays (multi-input/output) must be tuples.
-    dataset = tf.data.Dataset.from_tensor_slices(tuple(keras.tree.lists_to_tuples(p) for p in parts))
-    if seed is not None:
-        dataset = dataset.shuffle(len(_first_array(parts[0])), seed=seed, reshuffle_each_iteration=True)
-    call_kwargs.update(x=dataset.batch(call_kwargs.get("batch_size") or 32), y=None, sample_weight=None,
-                       batch_size=None)
+    batch_size = call_kwargs.get("batch_size") or 32
+    if keras_order and seed is not None:
+        named = dict(zip((n for n in ("x", "y", "sample_weight") if call_kwargs.get(n) is not None), parts))
+        batches = keras_array_batches(named["x"], named.get("y"), named.get("sample_weight"), batch_size,
+                                      call_kwargs.get("shuffle", True))
+    else:  # tf.data reads a Python list as one tensor: lists of arrays (multi-input/output) must be tuples.
+        dataset = tf.data.Dataset.from_tensor_slices(tuple(keras.tree.lists_to_tuples(p) for p in parts))
+        if seed is not None:
+            dataset = dataset.shuffle(len(_first_array(parts[0])), seed=seed, reshuffle_each_iteration=True)
+        batches = dataset.batch(batch_size)
+    call_kwargs.update(x=batches, y=None, sample_weight=None, batch_size=None)
     if method == "fit":
         call_kwargs.update(shuffle=False, validation_split=0.0)
     return True

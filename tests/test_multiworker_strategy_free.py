@@ -46,7 +46,8 @@ def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path,
 
 
 CUSTOM_VARIANTS = ("first", "lower", "two")
-INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share", "sparse_dataset")
+INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share", "sparse_dataset",
+               "shuffled_dataset", "py_dataset_threaded", "arrays_shuffled", "transfer")
 
 
 @pytest.mark.slow
@@ -68,7 +69,11 @@ def test_other_inputs_and_losses_equal_one_process():
     """A PyDataset and a generator of global batches are split per worker (before: every worker took whole
     batches); fit's shuffle of a PyDataset takes one order on every worker; a loss with reduction "sum" sums the
     workers' gradients (before: averaged, half the gradient); a batch smaller than the workers (one share empty)
-    with BatchNormalization stays finite (before: NaN weights). One process trains them in turn."""
+    with BatchNormalization stays finite (before: NaN weights). Issue 29: a reshuffling tf.data pipeline, a threaded
+    PyDataset and shuffled arrays train in one process's order (before: an extra iterator of the data before epoch 1
+    shifted the first two, its pipeline made 256 elements for 192; the arrays took kerasdist's own seeded order);
+    keras.io's transfer-learning flow (freeze, compile, fit, unfreeze, compile, fit) moves the base as one process
+    does. One process trains them in turn."""
     launched, single = _both(INPUTS, INPUT_CASES)
     for case in INPUT_CASES:
         for rank in (0, 1):

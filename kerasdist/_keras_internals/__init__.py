@@ -22,8 +22,8 @@ from .central import assign_state_from_first_replica, update_loss_scale_once_per
 from .coordination import configure_coordination, tf_context_initialized  # noqa: F401
 from .gradient_routing import route_gradient_all_reduce  # noqa: F401
 from .layers import disable_per_channel_quantization, refresh_call_signature, state_unlocked  # noqa: F401
-from .multiworker_fit import (install_multiworker_fit_fixes, is_multiworker_strategy, set_log_summer,  # noqa: F401
-                              uninstall_multiworker_fit_fixes)
+from .multiworker_fit import (install_multiworker_fit_fixes, is_multiworker_strategy, keras_array_batches,  # noqa: F401
+                              set_log_summer, tf_global_seed, uninstall_multiworker_fit_fixes)
 from .ps import PS_COORDINATOR_JOB, parameter_server_strategy, symbolic_build  # noqa: F401
 from .strategy_binding import (bind_model, bound_strategy, move_to_strategy, optimizer_strategy,  # noqa: F401
                                unbound_from_strategy)

@@ -57,6 +57,26 @@ def _build_from_first_batch(model, strategy, iterator):
         model._symbolic_build(data_batch=data_batch)
 
 
+def keras_array_batches(x, y, sample_weight, batch_size, shuffle):
+    """The ``tf.data.Dataset`` of batches Keras's ``fit`` makes of in-memory arrays (``ArrayDataAdapter``), its
+    shuffle included: an unseeded ``tf.random.shuffle`` inside the pipeline, so with the same global seed
+    (``keras.utils.set_random_seed``) every process draws the permutation one process's ``fit`` draws."""
+    import tensorflow as tf
+
+    adapter = versions.locate("array_data_adapter")(x, y=y, sample_weight=sample_weight, batch_size=batch_size,
+                                                    shuffle=shuffle)
+    # its flat_map hides the number of batches, which Keras's fit takes from the adapter: without it an epoch
+    # ends at an exhausted iterator, one step late (epoch logs counted 72 rows of 64)
+    return adapter.get_tf_dataset().apply(tf.data.experimental.assert_cardinality(adapter.num_batches))
+
+
+def tf_global_seed():
+    """TensorFlow's global seed (``tf.random.set_seed``, which ``keras.utils.set_random_seed`` calls), or None."""
+    from tensorflow.python.eager import context
+
+    return context.global_seed()
+
+
 def is_multiworker_strategy(strategy):
     """True for a MultiWorkerMirroredStrategy spanning more than this process."""
     import tensorflow as tf

@@ -254,8 +254,7 @@ def _adjust_strategy_free_call(method, call_kwargs, model, spec):
     index = private_backups.count_fit() if method == "fit" else None
     if method in ("fit", "evaluate"):
         strategy_free.install(model, ring)
-        strategy_free.split_call_data(call_kwargs, ring.rank, ring.size, method,
-                                      spec.shuffle_seed + index if method == "fit" else None)
+        strategy_free.split_call_data(call_kwargs, ring, method, spec.shuffle_seed + index if method == "fit" else None)
     _chief_writes(method, call_kwargs, model, spec, state.strategy, index)
     strategy_free.broadcast_before(method, model, ring, call_kwargs)  # fit: after the backup's restore
 

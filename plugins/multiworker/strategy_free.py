@@ -17,7 +17,7 @@ import keras
 
 from kerasdist import KerasdistError
 from kerasdist.plugin_tools import (arrays_as_dataset, is_dataset, keras_step_order_is_known, mean_state,
-                                    split_batches, unique_variables)
+                                    split_batches, tf_global_seed, unique_variables)
 
 from .options import STRATEGY_FREE_VAR
 
@@ -288,21 +288,36 @@ def broadcast_state(model, ring):
             v.assign(total.astype(dtype))
 
 
-def split_call_data(call_kwargs, rank, size, method, seed):
-    """``batch_size`` is the global batch: arrays become a dataset shuffled alike on every worker, and
-    each worker takes its part of every batch (datasets: ``split_dataset`` already did)."""
+def split_call_data(call_kwargs, ring, method, seed):
+    """``batch_size`` is the global batch: arrays become a dataset shuffled alike on every worker (as one process's
+    ``fit`` shuffles them when every worker set the same global seed), and each worker takes its part of every batch
+    (datasets: ``split_dataset`` already did)."""
+    rank, size = ring.rank, ring.size
     x = call_kwargs.get("x")
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
     if shuffle is not None and isinstance(x, keras.utils.PyDataset):  # Keras's own shuffle differs per worker
         call_kwargs.update(x=_in_shared_order(x, shuffle), shuffle=False)
     validation_batch = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size")
-    if not is_dataset(x) and arrays_as_dataset(call_kwargs, shuffle, method):
+    keras_order = shuffle is not None and not is_dataset(x) and _same_global_seed(ring)
+    if not is_dataset(x) and arrays_as_dataset(call_kwargs, shuffle, method, keras_order=keras_order):
         call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
     validation = call_kwargs.get("validation_data") if method == "fit" else None
     if validation is not None and not is_dataset(validation):
         parts = dict(zip(("x", "y", "sample_weight"), validation), batch_size=validation_batch)
         if arrays_as_dataset(parts, method="evaluate"):
             call_kwargs["validation_data"] = split_batches(parts["x"], rank, size)
+
+
+def _same_global_seed(ring):
+    """Whether every worker has one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
+    then each draws one process's shuffle of arrays; else (unset, or seeds differing) the workers share
+    ``shuffle_seed``'s order. One small ring message; every worker asks at the same call."""
+    import numpy as np
+
+    seed = tf_global_seed()
+    mine = np.array([np.nan if seed is None else float(seed)])
+    total, squares = ring.sum_arrays(mine, mine ** 2)  # equal values exactly when sum^2 == size * sum of squares
+    return seed is not None and bool(total[0] == mine[0] * ring.size and squares[0] == mine[0] ** 2 * ring.size)
 
 
 def _in_shared_order(dataset, seed):

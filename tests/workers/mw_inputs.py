@@ -5,8 +5,10 @@
 Cases: ``py_dataset`` (a keras.utils.PyDataset of global batches; ``py_dataset_shuffled``: fit shuffles their order),
 ``generator`` (a generator of global batches),
 ``sparse_dataset`` (a tf.data.Dataset of SparseTensor inputs), ``sum_loss`` (MeanSquaredError(reduction="sum")), ``empty_share`` (BatchNormalization, and a last batch of 1 row:
-one worker's share is empty), each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the
-history}.
+one worker's share is empty), ``shuffled_dataset`` (``ds.shuffle(n, seed)``, reshuffled each epoch; also counts the
+elements its pipeline made), ``py_dataset_threaded`` (PyDataset(workers=4)), ``arrays_shuffled`` (numpy, fit's
+shuffle=True), ``transfer`` (keras.io's transfer learning flow: frozen base, compile, fit, unfreeze, compile, fit),
+each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the history}.
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
 
@@ -25,12 +27,17 @@ BATCH, STEPS = 16, 4
 
 
 def train(case):
+    if case == "transfer":
+        return transfer()
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(3)
     x = rng.random((65 if case == "empty_share" else 64, 5)).astype("float32")
     y = rng.random((len(x), 1)).astype("float32")
 
     class Batches(keras.utils.PyDataset):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+
         def __len__(self):
             return STEPS
 
@@ -46,8 +53,21 @@ def train(case):
     loss = keras.losses.MeanSquaredError(reduction="sum") if case == "sum_loss" else "mse"
     model.compile(optimizer=keras.optimizers.SGD(0.01 if case == "sum_loss" else 0.1), loss=loss, metrics=["mae"],
                   distribute=None if word == "none" else word)
-    if case.startswith("py_dataset"):  # Keras shuffles a PyDataset's batch order: the same order everywhere
+    made = {}
+    if case == "py_dataset_threaded":  # its enqueuer's threads: an extra iterator left batches queued (rotated)
+        history = model.fit(Batches(workers=4, use_multiprocessing=False), epochs=3, verbose=0, shuffle=False)
+    elif case.startswith("py_dataset"):  # Keras shuffles a PyDataset's batch order: the same order everywhere
         history = model.fit(Batches(), epochs=2, verbose=0, shuffle=case == "py_dataset_shuffled")
+    elif case == "shuffled_dataset":  # each iterator reshuffles: an extra one before epoch 1 shifts every epoch
+        import tensorflow as tf
+
+        counter = tf.Variable(0, dtype=tf.int64)
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=5).map(
+            lambda a, b: (a + tf.cast(counter.assign_add(1) * 0, a.dtype), b)).batch(BATCH)
+        history = model.fit(batches, epochs=3, verbose=0)
+        made = {"elements_made": [int(counter.numpy())]}  # one process: 3 epochs x 64
+    elif case == "arrays_shuffled":  # every worker draws one process's permutation and takes its share
+        history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=True, verbose=0)
     elif case == "generator":
         def batches():
             for _ in range(2):
@@ -61,7 +81,27 @@ def train(case):
     else:
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     w = np.concatenate([np.ravel(v) for v in model.get_weights()])
-    print(f"RESULT {case} " + json.dumps({"w": w.tolist(), **history.history}), flush=True)
+    print(f"RESULT {case} " + json.dumps({"w": w.tolist(), **history.history, **made}), flush=True)
+
+
+def transfer():
+    """keras.io "Transfer learning & fine-tuning", end to end: a base frozen at the first compile, trained in the
+    second after ``base.trainable = True``."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(4)
+    x, y = rng.random((64, 5)).astype("float32"), rng.random((64, 1)).astype("float32")
+    base = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh")], name="base")
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(base(inputs, training=False)))
+    histories = {}
+    for phase, trainable in (("frozen", False), ("unfrozen", True)):
+        base.trainable = trainable
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute=None if word == "none" else word)
+        history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        histories.update({f"{phase}_{key}": value for key, value in history.history.items()})
+        histories[f"{phase}_base"] = np.concatenate([np.ravel(v) for v in base.get_weights()]).tolist()
+    w = np.concatenate([np.ravel(v) for v in model.get_weights()])
+    print("RESULT transfer " + json.dumps({"w": w.tolist(), **histories}), flush=True)
 
 
 for case in cases:  # several models in one process, one after the other
