@@ -51,6 +51,14 @@ def nightly():
     return version
 
 
+def test_the_locked_nightly_is_the_checked_one():
+    """Moving the lock moves versions.CHECKED_KERAS_VERSIONS (and the README) with it."""
+    from kerasdist._keras_internals import versions
+
+    assert locked_nightly() in versions.CHECKED_KERAS_VERSIONS, (locked_nightly(), versions.CHECKED_KERAS_VERSIONS)
+    assert versions.keras_line(locked_nightly()) is not None
+
+
 def _words_ok(output, words, processes=1):
     for word in words:
         assert output.count(f"WORD OK {word} ") == processes, f"{word}:\n{output[-6000:]}"
