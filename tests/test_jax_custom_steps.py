@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
 WORKER = os.path.join(ROOT, "tests", "workers", "jax_custom_steps.py")
 ENV = {"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
 #: Each trains as one device; and over several processes only, "per_process_shuffle" is one clear error.
-CASES = ("first_guide", "lower_level_guide", "test_step_guide", "compiled_user_metric", "unseeded_shuffled_arrays")
+CASES = ("first_guide", "lower_level_guide", "test_step_guide", "compiled_user_metric", "transfer_learning",
+         "model_parallel_guide", "unseeded_shuffled_arrays")
 
 
 def _results(out, processes):
@@ -62,6 +63,8 @@ def test_custom_steps_trackers_compiled_metrics_and_uneven_batches_on_one_proces
     for case in CASES:
         _check_as_one_device(result[case], case, "1 process x 2 devices")
     assert "val_acc" in result["compiled_user_metric"]["history"]  # a validation batch of 239 rows
+    assert result["transfer_learning"]["history"]["base_moved"][0] > 1e-4  # unfrozen: it trained, as one device
+    assert result["model_parallel_guide"]["kernel_spec"] == "P(None, 'model')"
 
 
 @pytest.mark.slow
@@ -77,6 +80,8 @@ def test_custom_steps_tf_data_and_evaluate_over_2_processes_equal_one_device_and
         _check_as_one_device(first[case], case, "process 0 of 2")
         assert first[case]["history"] == second[case]["history"], case  # logs equal on every rank
         assert first[case]["evaluated"] == second[case]["evaluated"], case
+    # a batch axis of 1 over two processes: both feed every row (each fed half once, 0.22 off one device)
+    assert first["model_parallel_guide"]["kernel_spec"] == "P(None, 'model')"
     for result in (first, second):  # every process stops with the same clear error
         error = result["per_process_shuffle"]["error"]
         assert error.startswith("fit: KerasdistError") and "read different batches" in error and "seed=S" in error, error

@@ -133,6 +133,17 @@ def plain_model(activation=None):
     return functional(keras.Model, activation)
 
 
+def frozen_base_model():
+    """keras.io's transfer-learning shape: a base (with BatchNormalization) frozen, called with training=False."""
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.BatchNormalization()], name="base")
+    base.trainable = False
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dropout(0.2)(base(inputs, training=False))
+    return keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(hidden))
+
+
 CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: not evaluated)
     # the first two guide models cannot evaluate (Keras's test_step calls their compute_loss_and_updates)
     "first_guide": dict(model=lambda: functional(FirstGuideModel), compile=dict(loss="mse", metrics=["mae"]),
@@ -147,6 +158,15 @@ CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: no
         compile=dict(loss="binary_crossentropy", metrics=[keras.metrics.BinaryAccuracy(name="acc")]),
         fit=lambda: {"x": dataset(LABELS, seed=7), "validation_data": dataset(LABELS, batch_size=256)},
         evaluate=lambda: arrays(LABELS, rows=224)),  # even batches: evaluate alone over processes
+    # freeze, compile, fit, unfreeze, compile again, fit: the base moves in phase 2 as on one device
+    "transfer_learning": dict(
+        model=frozen_base_model, unfreeze="base",
+        compile=dict(loss="binary_crossentropy", metrics=[keras.metrics.BinaryAccuracy(name="acc")]),
+        fit=lambda: arrays(LABELS), evaluate=None),
+    # the batch not split (a batch axis of 1): over two processes both feed every row
+    "model_parallel_guide": dict(model=lambda: functional(FirstGuideModel), compile=dict(loss="mse", metrics=["mae"]),
+                                 fit=arrays, evaluate=None,
+                                 distribute=lambda: kerasdist.hybrid(mesh={"model": jax.device_count()}, min_shard_size=0)),
     # NumPy's random state differs per process (no set_random_seed): every process draws process 0's permutation
     "unseeded_shuffled_arrays": dict(model=plain_model, compile=dict(loss="mse"), fit=lambda: {**arrays(), "shuffle": True},
                                      evaluate=None, before_fit=lambda: np.random.seed(100 + jax.process_index())),
@@ -156,6 +176,12 @@ CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: no
 }
 
 
+def fresh(compile_kwargs):
+    """``compile_kwargs`` with a new object for each metric object (one per compile, as a script makes them)."""
+    return {k: [type(m).from_config(m.get_config()) if isinstance(m, keras.metrics.Metric) else m for m in v]
+            if k == "metrics" else v for k, v in compile_kwargs.items()}
+
+
 class CaseFailed(Exception):
     """fit and/or evaluate raised (each one's error in the message)."""
 
@@ -163,13 +189,19 @@ class CaseFailed(Exception):
 def trained(case, distribute):
     spec = CASES[case]
     model = spec["model"]()
-    compile_kwargs = {k: [type(m).from_config(m.get_config()) if isinstance(m, keras.metrics.Metric) else m
-                          for m in v] if k == "metrics" else v for k, v in spec["compile"].items()}
-    model.compile(optimizer=keras.optimizers.SGD(0.1), distribute=distribute, **compile_kwargs)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), distribute=distribute, **fresh(spec["compile"]))
     spec.get("before_fit", lambda: None)()
     history, evaluated, errors = {}, {}, []
     try:
         history = model.fit(**{"shuffle": False, **spec["fit"]()}, epochs=2, verbose=0).history
+        if spec.get("unfreeze"):
+            base = model.get_layer(spec["unfreeze"])
+            before = [np.asarray(w) for w in base.get_weights()]
+            base.trainable = True
+            model.compile(optimizer=keras.optimizers.SGD(0.05), distribute=distribute, **fresh(spec["compile"]))
+            again = model.fit(**{"shuffle": False, **spec["fit"]()}, epochs=2, verbose=0).history
+            history = {k: history[k] + again[k] for k in history}
+            history["base_moved"] = [max(float(np.max(np.abs(a - b))) for a, b in zip(base.get_weights(), before))]
     except Exception as exc:  # noqa: BLE001
         errors.append(f"fit: {type(exc).__name__}: {exc}"[:2000])
     try:  # also after a failed fit
@@ -183,21 +215,31 @@ def trained(case, distribute):
         k: float(v) for k, v in evaluated.items()}
 
 
+def gathered(variable):
+    """A variable's whole value (a sharded one spans other processes' devices: every process gathers)."""
+    if jax.process_count() == 1:
+        return np.asarray(variable.value)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(variable.value, tiled=True))
+
+
 results = {"processes": jax.process_count(), "devices": jax.device_count()}
 for case in CASES:
     if CASES[case].get("several_processes_only") and jax.process_count() == 1:
         continue
     try:
-        model, history, evaluated = trained(case, "data_parallel")
+        model, history, evaluated = trained(case, CASES[case].get("distribute", lambda: "data_parallel")())
     except CaseFailed as exc:
         results[case] = {"error": str(exc)}
         continue
     plain, plain_history, plain_evaluated = trained(case, None)
     results[case] = {
-        "max_dw": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                      for a, b in zip(model.get_weights(), plain.get_weights())),
+        "max_dw": max(float(np.max(np.abs(gathered(a) - np.asarray(b.value))))
+                      for a, b in zip(model.weights, plain.weights)),
         "history": history, "plain_history": plain_history,
         "evaluated": evaluated, "plain_evaluated": plain_evaluated,
+        "kernel_spec": str(model.weights[0].value.sharding.spec),  # the first Dense kernel
     }
 with open(f"{sys.argv[1]}.{jax.process_index()}", "w") as f:
     json.dump(results, f, indent=1)
