@@ -151,6 +151,8 @@ def _assert_guide_step(runs, one_process, name):
         return
     single = _scenario(one_process, name, [0])[0]
     assert sorted(k for k in single.files if k.startswith("history_")) == sorted(logs[2:]), name
+    worst = max(float(np.max(np.abs(g - w))) for g, w in zip(_weights(first), _weights(single)))
+    print(f"{name}: max|w - w_one_process| {worst:.2g}")  # pytest -s shows each model's figure
     for rank in ranks:
         for got, want in zip(_weights(rank), _weights(single)):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=name)
