@@ -42,7 +42,7 @@ class StepState:
     unit = None  # the largest share of the first training step, agreed by every rank
     early_states = None  # metric states updated before optimizer.apply (Keras's own step): summed with the grads
     early_sums = None  # their sums over the ranks, for this step's get_metrics_result
-    loss_scaled = False  # scale_loss weighted this step's loss (before backward) since the last apply
+    loss_scaled = False  # a scale_loss (any optimizer's) weighted the loss since the last apply
     metrics_global = False  # the metric states already hold every rank's updates (custom_steps.py)
     batch_level = frozenset()  # the metrics updated with one scalar in this step (custom_steps.py)
 
@@ -99,9 +99,8 @@ def install(model):
     for optimizer in optimizers_held_by(model):
         if "_kerasdist_torch" not in optimizer.__dict__:
             optimizer._kerasdist_torch = True
-            scaled = [False]  # this optimizer's scale_loss ran since its last apply
-            optimizer.scale_loss = _weighted_loss(optimizer.scale_loss, state, scaled)
-            optimizer.apply = _averaged_apply(optimizer.apply, state, scaled)
+            optimizer.scale_loss = _weighted_loss(optimizer.scale_loss, state)
+            optimizer.apply = _averaged_apply(optimizer.apply, state)
 
 
 def _train_step(model, original, state):
@@ -165,21 +164,21 @@ def _test_step(model, original, state):
     return test_step
 
 
-def _weighted_loss(original, state, scaled):
+def _weighted_loss(original, state):
     def scale_loss(loss):
-        scaled[0] = state.loss_scaled = True
+        state.loss_scaled = True  # the gradients that apply gets next are weighted already
         return original(loss) * state.weight
 
     return scale_loss
 
 
-def _averaged_apply(original, state, scaled):
+def _averaged_apply(original, state):
     def apply(grads, trainable_variables=None):
         import torch
         import torch.distributed as dist
 
-        factor = 1.0 if scaled[0] else state.weight  # the loss was not weighted: its gradient is, here
-        scaled[0] = state.loss_scaled = False
+        factor = 1.0 if state.loss_scaled else state.weight  # a loss no scale_loss weighted: its gradient, here
+        state.loss_scaled = False
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else [None] * len(grads)
         device = next((g.device for g in grads if g is not None), "cpu")
