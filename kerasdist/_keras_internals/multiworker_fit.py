@@ -30,14 +30,19 @@ def build_from_input_structure(model, strategy, iterator):
     the user's data before epoch 1 (``TensorFlowTrainer._maybe_symbolic_build``, whenever a strategy is
     bound): a ``shuffle(reshuffle_each_iteration=True)`` pipeline then trained epoch k on permutation k+1, a
     threaded PyDataset on a rotated batch order, a random augmentation map drew twice. Where the structure
-    cannot build the model (a dimension its weights need is unknown there), one batch is read as Keras does."""
-    structure = iterator.data_adapter.get_tf_dataset().element_spec
-    with strategy.scope():
-        try:
-            model._symbolic_build(data_batch=structure)
+    may not build the model (an unbuilt model, and a dimension past the rows unknown there: a layer would keep
+    it), or fails to, one batch is read as Keras does."""
+    import tensorflow as tf
+
+    try:
+        structure = iterator.data_adapter.get_tf_dataset().element_spec
+        if model.built or all(spec.shape.rank is not None and None not in spec.shape[1:]
+                              for spec in tf.nest.flatten(structure)):
+            with strategy.scope():
+                model._symbolic_build(data_batch=structure)
             return
-        except Exception:  # noqa: BLE001 - e.g. a Dense over an unknown last dimension: Keras's way below
-            pass
+    except Exception:  # noqa: BLE001 - whatever the structure could not build: Keras's way below
+        pass
     _build_from_first_batch(model, strategy, iterator)
 
 
