@@ -157,7 +157,7 @@ CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: no
         model=lambda: plain_model("sigmoid"),
         compile=dict(loss="binary_crossentropy", metrics=[keras.metrics.BinaryAccuracy(name="acc")]),
         fit=lambda: {"x": dataset(LABELS, seed=7), "validation_data": dataset(LABELS, batch_size=256)},
-        evaluate=lambda: arrays(LABELS, rows=224)),  # even batches: evaluate alone over processes
+        evaluate=lambda: arrays(LABELS, rows=224), predict=True),  # even batches: evaluate alone over processes
     # freeze, compile, fit, unfreeze, compile again, fit: the base moves in phase 2 as on one device
     "transfer_learning": dict(
         model=frozen_base_model, unfreeze="base",
@@ -169,7 +169,8 @@ CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: no
                                  distribute=lambda: kerasdist.hybrid(mesh={"model": jax.device_count()}, min_shard_size=0)),
     # NumPy's random state differs per process (no set_random_seed): every process draws process 0's permutation
     "unseeded_shuffled_arrays": dict(model=plain_model, compile=dict(loss="mse"), fit=lambda: {**arrays(), "shuffle": True},
-                                     evaluate=None, before_fit=lambda: np.random.seed(100 + jax.process_index())),
+                                     evaluate=None, before_fit=lambda: np.random.seed(100 + jax.process_index()),
+                                     several_processes_only=True),
     # each process its own shuffle: over several processes one clear error, never process 0's batches alone
     "per_process_shuffle": dict(model=plain_model, compile=dict(loss="mse"), several_processes_only=True,
                                 fit=lambda: {"x": dataset(seed=jax.process_index())}, evaluate=None),
@@ -241,6 +242,9 @@ for case in CASES:
         "evaluated": evaluated, "plain_evaluated": plain_evaluated,
         "kernel_spec": str(model.weights[0].value.sharding.spec),  # the first Dense kernel
     }
+    if CASES[case].get("predict") and jax.process_count() == 1:  # 239 rows in batches of 32: uneven last batch
+        results[case]["predict_diff"] = float(np.max(np.abs(model.predict(X, batch_size=BATCH, verbose=0)
+                                                            - plain.predict(X, batch_size=BATCH, verbose=0))))
 with open(f"{sys.argv[1]}.{jax.process_index()}", "w") as f:
     json.dump(results, f, indent=1)
 print("DONE", flush=True)
