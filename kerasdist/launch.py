@@ -26,10 +26,8 @@ from .plugin_tools import port_is_free
 DEFAULT_GRACE_S = 5.0
 MAX_GRACE_S = 25.0
 _POLL_S = 0.1
-#: Thread-count variables each worker gets (unless set): torch and oneDNN, TensorFlow's intra-op pool.
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")
-#: XLA's CPU backend (JAX) with one core per worker: no Eigen thread pool.
-XLA_ONE_THREAD = "--xla_cpu_multi_thread_eigen=false"
+#: Thread-count variables each worker gets (unless set): torch's intra-op pool, as torchrun.
+THREAD_VARIABLES = ("OMP_NUM_THREADS",)
 
 
 def pick_ports(count, host="127.0.0.1"):
@@ -58,9 +56,9 @@ def thread_settings(args, environ, cores=None):
     """``{variable: value}`` giving each of ``args.nproc`` local workers its share of the cores (at least 1), as
     torchrun gives OMP_NUM_THREADS=1 when it starts more than one; a variable the user set is left alone.
 
-    OMP_NUM_THREADS sizes torch's intra-op pool and oneDNN's, TF_NUM_INTRAOP_THREADS TensorFlow's (read when its
-    context is created); XLA's CPU backend has no thread count, only Eigen's multi-threading on or off, turned
-    off when each worker gets one core. ``--threads N`` gives N instead of the share, ``--threads off`` nothing."""
+    OMP_NUM_THREADS sizes torch's intra-op pool (and OpenMP's anywhere). TensorFlow's TF_NUM_INTRAOP_THREADS and
+    XLA's --xla_cpu_multi_thread_eigen=false were measured too and are not set: they made TF workers slower and
+    JAX workers no faster (docs/benchmarks.md). ``--threads N`` gives N instead of the share, ``off`` nothing."""
     if args.threads == "off" or (args.threads == "auto" and args.nproc <= 1):
         return {}
     if args.threads == "auto":
@@ -68,18 +66,14 @@ def thread_settings(args, environ, cores=None):
         count = max(1, cores // args.nproc)
     else:
         count = int(args.threads)
-    settings = {name: str(count) for name in THREAD_VARIABLES if name not in environ}
-    xla_flags = environ.get("XLA_FLAGS", "")
-    if count == 1 and XLA_ONE_THREAD.split("=")[0] not in xla_flags:
-        settings["XLA_FLAGS"] = f"{xla_flags} {XLA_ONE_THREAD}".strip()
-    return settings
+    return {name: str(count) for name in THREAD_VARIABLES if name not in environ}
 
 
 def describe_thread_settings(settings, args):
     """The one line the launcher prints about them (torchrun prints a warning)."""
-    given = " ".join(f"{name}={value!r}" if " " in value else f"{name}={value}" for name, value in settings.items())
+    given = " ".join(f"{name}={value}" for name, value in settings.items())
     return (f"each of the {args.nproc} workers gets {given} (its share of {len(os.sched_getaffinity(0))} cores); "
-            "set these variables yourself, or pass --threads N or --threads off, to change it.")
+            "set it yourself, or pass --threads N or --threads off, to change it.")
 
 
 def worker_environments(args, environ=None, system=None, threads=None):
@@ -254,8 +248,8 @@ def add_arguments(parser):
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds between SIGTERM and SIGKILL when stopping workers (default {DEFAULT_GRACE_S:g})")
     parser.add_argument("--threads", default="auto",
-                        help="threads per worker: OMP_NUM_THREADS and TF_NUM_INTRAOP_THREADS, unless set (default "
-                             "auto: cores // workers, at least 1, as torchrun's OMP_NUM_THREADS=1; 'off': none)")
+                        help="threads per worker: OMP_NUM_THREADS, unless set (default auto: cores // workers, at "
+                             "least 1, as torchrun's OMP_NUM_THREADS=1; 'off': none)")
     parser.add_argument("-m", dest="module", action="store_true", help="run the script argument as a module")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="script.py [args...] (after an optional --)")
     from .manager import get_system
