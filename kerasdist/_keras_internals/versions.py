@@ -96,6 +96,13 @@ PIECES = {
     "file_utils_join": Piece(
         "keras.src.utils.file_utils.join: BackupAndRestore's file paths (multi-worker backups)", "multiworker",
         _everywhere("keras.src.utils.file_utils:join")),
+    "loss_scale_for_distribution": Piece(
+        "losses.loss.scale_loss_for_distribution: a Loss's 1/replicas, skipped inside a moved model's call "
+        "(add_loss values are scaled once by the trainer)", "tf",
+        _everywhere("keras.src.losses.loss:scale_loss_for_distribution")),
+    "layer_call_context_attribute": Piece(
+        "global_state.get_global_attribute: reads the layer call context ('current_call_ctx', its entry_layer)",
+        "tf", _everywhere("keras.src.backend.common.global_state:get_global_attribute")),
     # Looked up when used, never required at compile ("step_order", "torch"): without them kerasdist takes its
     # general path (the step's order unknown; the torch trainer's source not read).
     "tf_train_step": Piece(
