@@ -101,3 +101,45 @@ def test_synchronized_batch_norm_equals_one_device_and_the_default_does_not(dist
 def test_sync_batch_norm_where_it_cannot_work_is_named(strategy):
     with pytest.raises(kerasdist.KerasdistError, match=f"'{strategy}' has no option 'sync_batch_norm'"):
         kerasdist.spec(strategy, sync_batch_norm=True)
+
+
+class _AddedLoss(keras.layers.Layer):
+    """add_loss of each kind: a mean over the batch's rows, a keras.losses.Loss called in the layer, or a sum
+    over the rows scaled by ``factor``."""
+
+    def __init__(self, kind, factor=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.kind, self.factor, self.mse = kind, factor, keras.losses.MeanSquaredError()
+
+    def call(self, x):
+        if self.kind == "mean":
+            self.add_loss(keras.ops.mean(keras.ops.square(x)) * self.factor)
+        elif self.kind == "loss_object":
+            self.add_loss(self.mse(keras.ops.zeros_like(x), x))
+        elif self.kind == "sum":
+            self.add_loss(keras.ops.sum(x) * self.factor)
+        return x
+
+
+def _train_with_added_loss(distribute, kind, factor=0.1):
+    x, y = _data(16)
+    keras.utils.set_random_seed(0)
+    regularizer = keras.regularizers.L2(0.1) if kind == "regularizer" else None
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_regularizer=regularizer),
+                              _AddedLoss(kind, factor), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1), distribute=distribute)
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    return [w.numpy() for w in model.weights], history.history["loss"]
+
+
+@pytest.mark.parametrize("kind", ["mean", "regularizer", "loss_object", "sum"])
+def test_added_losses_train_as_documented_under_mirrored(kind):
+    """docs/equivalence.md, "add_loss": a mean over rows, a weight regularizer and a Loss called in a layer
+    (scaled by 1/replicas twice in stock Keras) train and log as one process; a sum over rows is averaged over
+    the replicas (2 here), as one process with half the factor."""
+    reference = _train_with_added_loss(None, kind, 0.05 if kind == "sum" else 0.1)
+    weights, losses = _train_with_added_loss("mirrored", kind)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(weights, reference[0]))
+    print(f"add_loss {kind}, mirrored: max |w - one process| = {diff:.3g}, loss {losses} vs {reference[1]}")
+    assert diff <= 1e-5
+    np.testing.assert_allclose(losses, reference[1], atol=1e-5)

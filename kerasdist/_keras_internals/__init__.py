@@ -14,6 +14,7 @@ Keras release changes a piece. This ``__init__`` only re-exports what kerasdist'
   synchronized batch statistics, JAX layouts, evaluate()'s list);
 - ``central``: replica writes to CentralStorageStrategy's variables; ``collectives``: MirroredStrategy's
   collective keys; ``layers``: changing a built layer in place; ``ps``: the parameter-server strategy;
+  ``losses``: a ``Loss`` called inside a moved model's forward pass scaled once;
 - ``torch``, ``torch_sharding``: the PyTorch backend's pieces (imported from them directly).
 """
 

@@ -13,6 +13,7 @@ import contextlib
 
 from ..variables import unique_variables
 from . import versions
+from .losses import install_single_loss_scaling
 from .multiworker_fit import MOVED_ATTR, install_multiworker_fit_fixes, is_multiworker_strategy
 
 _MODEL_STRATEGY_ATTR = "_distribute_strategy"
@@ -283,6 +284,7 @@ def move_to_strategy(model, strategy, optimizer=None):
     bind_model(model, strategy)
     setattr(model, MOVED_ATTR, True)
     install_multiworker_fit_fixes()  # fit then builds it without reading the user's data (issue 29)
+    install_single_loss_scaling()  # a Loss passed to add_loss inside its call is scaled once (issue 29)
     for opt in optimizers:
         setattr(opt, _OPTIMIZER_STRATEGY_ATTR, strategy)
         _rekey_optimizer(opt, old_keys[id(opt)])
