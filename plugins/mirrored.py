@@ -87,4 +87,37 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
         from kerasdist.plugin_tools import replicas_train_as_one_device
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
+        _predict_on_empty_replicas(model)
+
+
+def _predict_on_empty_replicas(model):
+    """A replica given no rows (``predict`` on fewer rows than replicas) predicts one row of zeros and returns none
+    of it: TensorFlow's graph fails on a convolution + BatchNormalization over an empty batch ("Incompatible
+    shapes: [32] vs. [0,64,64,3]", stock MirroredStrategy too). Rows never mix in inference, so the others'
+    outputs are one device's. Inputs other than dense tensors go to the model's own step. Idempotent."""
+    import keras
+    import tensorflow as tf
+
+    step = model.predict_step
+    if getattr(step, "_kerasdist_empty_replicas", False):
+        return
+
+    def at_least_one_row(tensor, rows):
+        one_row = tf.zeros(tf.concat([[1], tf.shape(tensor)[1:]], 0), tensor.dtype)
+        padded = tf.cond(rows > 0, lambda: tensor, lambda: one_row)
+        padded.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
+        return padded
+
+    def predict_step(data):
+        leaves = [leaf for leaf in keras.tree.flatten(data) if leaf is not None]
+        if (not leaves or not all(isinstance(leaf, tf.Tensor) and leaf.shape.rank for leaf in leaves)
+                or tf.distribute.get_replica_context() is None):
+            return step(data)
+        rows = tf.shape(leaves[0])[0]
+        outputs = step(keras.tree.map_structure(lambda t: t if t is None else at_least_one_row(t, rows), data))
+        return keras.tree.map_structure(
+            lambda t: t[:rows] if isinstance(t, tf.Tensor) and t.shape.rank else t, outputs)
+
+    predict_step._kerasdist_empty_replicas = True
+    model.predict_step = predict_step
 
