@@ -154,7 +154,7 @@ def test_uneven_shuffled_numpy_data_and_only_the_chief_writes(tmp_path):
     scratch_root.mkdir()
     result = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", WORKER, "--examples", "37", "--batch",
                   "8", "--shuffle", "--verbose", "2", "--write-dir", str(tmp_path / "w"), "--out",
-                  str(tmp_path / "mw"), "--epochs", "2"], timeout=150,
+                  str(tmp_path / "mw"), "--epochs", "2", "--refit-alone"], timeout=150,
                  env=child_env(TMPDIR=str(scratch_root), KERASDIST_BACKUP_DIR=str(tmp_path / "backup")))
     assert max_diff(weights(tmp_path / "mw", 0), weights(tmp_path / "mw", 1)) == 0.0
     assert sorted(os.listdir(tmp_path / "w")) == ["log.csv", "model.keras", "tb"]
@@ -164,6 +164,11 @@ def test_uneven_shuffled_numpy_data_and_only_the_chief_writes(tmp_path):
     assert any(line.startswith("[0] 5/5") for line in lines), result.stdout[-2000:]  # ceil(37 / 8) steps
     assert not any(line.startswith("[1] Epoch") for line in lines)
     assert not [p for p in scratch_root.rglob("*") if "kerasdist-worker" in str(p)], "scratch left behind"
+    # then the chief fits its checkpoint, restored with distribute="multiworker", after worker 1 exited: the
+    # error says what to do (issue 29 item 8)
+    refit = next(line for line in lines if line.startswith("[0] REFIT_ERROR"))
+    assert "rank 1 closed the connection (it exited)" in refit and "kerasdist.load_plain(path)" in refit
+    assert "distribute=None" in refit and "same fit/evaluate calls" in refit
 
 
 @pytest.mark.timeout(240)

@@ -31,6 +31,14 @@ class RingError(KerasdistError):
     """A peer left, answered out of order, or did not answer in time."""
 
 
+#: What to do when a peer left: said by the errors of a ring whose peer exited or stopped answering.
+PEERS_MUST_RUN_THE_SAME = (
+    "Every worker must run the same fit/evaluate calls, in the same order. To train in this process alone "
+    "(e.g. a model restored with keras.models.load_model after the other workers finished: it restores "
+    "distribute=\"multiworker\"), load it with kerasdist.load_plain(path) or compile it again with "
+    "distribute=None.")
+
+
 def listen(host, port=0):
     """Open a rank's listening socket on ``host``; returns it and its "host:port"."""
     listener = socket.create_server((host, port), family=_family(host), backlog=8)
@@ -167,7 +175,8 @@ class TcpRing:
         while outgoing or incoming:
             wait = None if deadline is None else deadline - time.monotonic()
             if wait is not None and wait <= 0:
-                raise RingError(f"no progress for {self.timeout:g} s (a peer is stuck or gone)")
+                raise RingError(f"no progress for {self.timeout:g} s (a peer is stuck or gone). "
+                                f"{PEERS_MUST_RUN_THE_SAME}")
             readable, writable, _ = select.select([self._left] if incoming else [],
                                                   [self._right] if outgoing else [], [], wait)
             if writable:
@@ -178,7 +187,8 @@ class TcpRing:
             if readable:
                 got = self._left.recv_into(incoming[0])
                 if not got:
-                    raise RingError(f"rank {(self.rank - 1) % self.size} closed the connection (it exited)")
+                    raise RingError(f"rank {(self.rank - 1) % self.size} closed the connection (it exited). "
+                                    f"{PEERS_MUST_RUN_THE_SAME}")
                 incoming[0] = incoming[0][got:]
                 if not len(incoming[0]):
                     incoming.pop(0)

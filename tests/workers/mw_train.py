@@ -33,6 +33,8 @@ def parse():
     parser.add_argument("--write-dir", default="", help="add ModelCheckpoint, TensorBoard and CSVLogger here")
     parser.add_argument("--verbose", type=int, default=0)
     parser.add_argument("--jit-compile", action="store_true", help="compile with jit_compile=True (XLA)")
+    parser.add_argument("--refit-alone", action="store_true",
+                        help="then worker 1 exits and the chief fits the checkpoint of --write-dir loaded again")
     return parser.parse_args()
 
 
@@ -94,7 +96,19 @@ def main():
     if chief:
         print("FINAL " + json.dumps({k: v[-1] for k, v in history.history.items()}
                                     | {"epochs_run": len(history.epoch)}), flush=True)
+    if args.refit_alone and chief:
+        refit_alone(os.path.join(args.write_dir, "model.keras"), data)
     return 0
+
+
+def refit_alone(path, data):
+    """TF's multi-worker tutorial: the chief fits its restored checkpoint after worker 1 has exited."""
+    restored = keras.models.load_model(path)
+    print(f"RESTORED {type(kerasdist.strategy_of(restored)).__name__}", flush=True)
+    try:
+        restored.fit(**data, epochs=1, verbose=0)
+    except Exception as exc:  # the one error, whatever TensorFlow wrapped it in
+        print("REFIT_ERROR " + " ".join(str(exc).split()), flush=True)
 
 
 if __name__ == "__main__":
