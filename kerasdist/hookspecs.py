@@ -194,6 +194,19 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
     """
 
 
+@hookspec
+def kerasdist_job_identity(identity):
+    """Change, in place, the identity of this job's ``fit`` backups (a backup is resumed only by the job that
+    wrote it; see ``kerasdist.plugin_tools.private_backups``).
+
+    ``identity`` is a dict: ``script``, ``script_sha256``, ``arguments`` (``sys.argv[1:]``), ``replicas``,
+    ``model_sha256``, ``optimizer``. An engine that restarts failed workers with other command lines (Ray
+    Train: each attempt's worker processes carry new worker ids) replaces ``arguments`` with what stays the same
+    across its retries and is equal on every worker (never the worker's rank: every worker reads the chief's
+    backup).
+    """
+
+
 # -- process start -------------------------------------------------------------
 
 @hookspec

@@ -54,7 +54,8 @@ def scratch_dir():
 
 
 def job_identity(model, strategy):
-    """What makes a backup this job's: the same script (content), arguments, replicas and model."""
+    """What makes a backup this job's: the same script (content), arguments, replicas and model; plugins may
+    replace the arguments with what an engine keeps across its retries (``kerasdist_job_identity``)."""
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     try:
         with open(script, "rb") as f:
@@ -62,10 +63,14 @@ def job_identity(model, strategy):
     except OSError:
         script_hash = "interactive"
     variables = [[v.path, list(v.shape), str(v.dtype)] for v in model.weights]
-    return {"script": os.path.basename(script) or "interactive", "script_sha256": script_hash,
-            "arguments": sys.argv[1:], "replicas": int(strategy.num_replicas_in_sync),
-            "model_sha256": hashlib.sha256(json.dumps(variables).encode()).hexdigest(),
-            "optimizer": type(model.optimizer).__name__ if model.optimizer is not None else None}
+    identity = {"script": os.path.basename(script) or "interactive", "script_sha256": script_hash,
+                "arguments": sys.argv[1:], "replicas": int(strategy.num_replicas_in_sync),
+                "model_sha256": hashlib.sha256(json.dumps(variables).encode()).hexdigest(),
+                "optimizer": type(model.optimizer).__name__ if model.optimizer is not None else None}
+    from .manager import get_system
+
+    get_system().hook.kerasdist_job_identity(identity=identity)  # an engine's stable job (Ray Train's run)
+    return identity
 
 
 def _short_hash(identity):

@@ -255,6 +255,30 @@ def test_hook_kerasdist_run_call(recorder):
     assert model.predict(np.ones((4, 4)), verbose=0).shape == (4, 1)  # None: Keras's own predict ran
 
 
+def test_hook_kerasdist_job_identity(fresh_system, tmp_path, monkeypatch):
+    from kerasdist.plugin_tools import private_backups
+
+    class StableRun:
+        @kerasdist.hookimpl
+        def kerasdist_job_identity(self, identity):
+            identity["arguments"] = ["a-run-kept-across-retries"]
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    strategy = tf.distribute.get_strategy()
+    spec = kerasdist_plugins.mirrored.Mirrored()
+    spec.backup_dir = None  # what backup_folder reads of a spec
+    monkeypatch.setenv(private_backups.BACKUP_DIR_VAR, str(tmp_path))
+    monkeypatch.setattr("sys.argv", ["train.py", "--worker-id", "1"])
+    first = private_backups.job_identity(model, strategy)
+    fresh_system.add_plugin(StableRun(), name="stable_run")
+    retried = private_backups.job_identity(model, strategy)
+    monkeypatch.setattr("sys.argv", ["train.py", "--worker-id", "2"])  # a retry's new command line
+    assert private_backups.job_identity(model, strategy) == retried
+    assert first["arguments"] == ["--worker-id", "1"] and retried["arguments"] == ["a-run-kept-across-retries"]
+    assert private_backups.backup_folder(spec, retried, 0) != private_backups.backup_folder(spec, first, 0)
+
+
 def test_hook_kerasdist_process_start(tmp_path):
     source = textwrap.dedent("""
         import kerasdist

@@ -1,0 +1,164 @@
+"""Ray Train as an engine (plugins/ray_train.py): a real local Ray (loopback only), 2 workers, one Ray session for
+the module. Without a callback of the user's, each epoch's logs reach ``Result.metrics`` and rank 0's model
+``Result.checkpoint``; a SIGKILLed worker's retry (``FailureConfig(max_failures=1)``) trains only the epochs
+left, from kerasdist's backup keyed by the Ray run, and leaves no backup behind."""
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+# Ray turns a node address of 127.0.0.1 into the host's own unless it runs in its single-machine mode, which it
+# reads once, when ray is imported: then every Ray process listens on the loopback only (docs/ray.md)
+LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_PREVIOUS = os.environ.get(LOOPBACK_ONLY)
+os.environ[LOOPBACK_ONLY] = "0"
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+
+from helpers import ROOT  # noqa: E402
+
+
+def _load_train_module():
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("ray_train_fn", os.path.join(ROOT, "tests", "workers", "ray_train_fn.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ray_train_fn"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+ray_train_fn = _load_train_module()
+
+EPOCHS = 4
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory):
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(ray_train_fn)
+    folder = tmp_path_factory.mktemp("ray")
+    scratch = folder / "scratch"
+    env = {"KERASDIST_BACKUP_DIR": "", "XDG_CACHE_HOME": str(folder / "cache"), "KERASDIST_SCRATCH_DIR": str(scratch),
+           "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1", "RAY_TRAIN_V2_ENABLED": "1"}
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+             log_to_driver=False, runtime_env={"env_vars": env})
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    try:
+        yield folder, started
+    finally:
+        ray.shutdown()
+        if _PREVIOUS is None:
+            os.environ.pop(LOOPBACK_ONLY, None)
+        else:
+            os.environ[LOOPBACK_ONLY] = _PREVIOUS
+        for process in started:  # what ray.shutdown left running, by the ids Ray started here
+            try:
+                process.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _trainer(folder, name, backend="tensorflow", **config):
+    from ray.train.tensorflow import TensorflowTrainer
+    from ray.train.torch import TorchTrainer
+
+    trainer = TensorflowTrainer if backend == "tensorflow" else TorchTrainer
+    out = folder / name
+    out.mkdir()
+    word = "multiworker" if backend == "tensorflow" else "data_parallel"
+    return out, trainer(ray_train_fn.train, train_loop_config=dict(
+        backend=backend, distribute=word, epochs=EPOCHS, out=str(out), **config),
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=RunConfig(name=name, storage_path=str(folder / "storage"),
+                             failure_config=FailureConfig(max_failures=config.get("max_failures", 0))))
+
+
+def _checkpoint_weights(result):
+    import kerasdist
+
+    assert result.checkpoint is not None
+    with result.checkpoint.as_directory() as folder:
+        return kerasdist.load_plain(os.path.join(folder, "model.keras")).get_weights()
+
+
+def _epochs_begun(out, rank):
+    attempts = []
+    for line in (out / f"epochs-{rank}.log").read_text().split():
+        if line == "start":
+            attempts.append([])
+        else:
+            attempts[-1].append(int(line))
+    return attempts
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x, "float64") - np.asarray(y, "float64")))) for x, y in zip(a, b))
+
+
+def _backups_left(folder):
+    root = folder / "cache" / "kerasdist" / "backups"
+    return sorted(os.listdir(root)) if root.exists() else []
+
+
+def _listening(processes):
+    addresses = set()
+    for process in processes:
+        try:
+            for connection in process.net_connections(kind="inet"):
+                if connection.status == psutil.CONN_LISTEN:
+                    addresses.add(connection.laddr.ip)
+        except psutil.NoSuchProcess:
+            pass
+    return addresses
+
+
+@pytest.mark.timeout(600)
+def test_ray_train_gets_metrics_and_checkpoints_and_a_retry_resumes_at_the_failed_epoch(local_ray):
+    folder, started = local_ray
+    expected = ray_train_fn.one_process_weights(EPOCHS)
+
+    out, trainer = _trainer(folder, "plain")
+    began = time.monotonic()
+    plain = trainer.fit()
+    print(f"plain run: {time.monotonic() - began:.1f} s")
+    print("plain Result.metrics:", plain.metrics, "Result.checkpoint:", plain.checkpoint)
+    assert plain.error is None
+    assert plain.metrics["epoch"] == EPOCHS - 1
+    assert np.isfinite(plain.metrics["loss"]) and plain.metrics["loss"] < 1.0
+    plain_weights = _checkpoint_weights(plain)
+    assert _max_diff(plain_weights, expected) < 1e-5
+    assert [_epochs_begun(out, rank) for rank in (0, 1)] == [[list(range(EPOCHS))]] * 2
+    assert _backups_left(folder) == []  # removed when fit completed
+
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+    assert {host.rsplit(":", 1)[0] for host in json.loads((out / "tf_config-0.json").read_text())["cluster"]["worker"]} \
+        == {"127.0.0.1"}
+    listening = _listening(started + psutil.Process().children(recursive=True))
+    assert listening and listening <= LOOPBACK, listening
+
+    out, trainer = _trainer(folder, "killed", crash_epoch=2, crash_marker=str(folder / "killed.marker"),
+                            max_failures=1)
+    began = time.monotonic()
+    retried = trainer.fit()
+    print(f"killed and retried run: {time.monotonic() - began:.1f} s")
+    print("retried Result.metrics:", retried.metrics, "epochs begun per attempt:", _epochs_begun(out, 0))
+    assert retried.error is None
+    assert os.path.exists(folder / "killed.marker")
+    for rank in (0, 1):
+        first, retry = _epochs_begun(out, rank)
+        assert first[:2] == [0, 1] and retry == list(range(2, EPOCHS)), (rank, first, retry)
+    assert retried.metrics["epoch"] == EPOCHS - 1
+    assert _max_diff(_checkpoint_weights(retried), plain_weights) < 1e-6
+    assert _backups_left(folder) == []
