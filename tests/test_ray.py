@@ -162,3 +162,17 @@ def test_ray_train_gets_metrics_and_checkpoints_and_a_retry_resumes_at_the_faile
     assert retried.metrics["epoch"] == EPOCHS - 1
     assert _max_diff(_checkpoint_weights(retried), plain_weights) < 1e-6
     assert _backups_left(folder) == []
+
+
+@pytest.mark.timeout(300)
+def test_ray_torch_trainer_gets_metrics_and_the_model_from_data_parallel(local_ray):
+    pytest.importorskip("torch")
+    folder, _ = local_ray
+    out, trainer = _trainer(folder, "torch", backend="torch")
+    began = time.monotonic()
+    result = trainer.fit()
+    print(f"torch run: {time.monotonic() - began:.1f} s; Result.metrics:", result.metrics)
+    assert result.error is None and result.metrics["epoch"] == EPOCHS - 1
+    assert _max_diff(_checkpoint_weights(result), ray_train_fn.one_process_weights(EPOCHS)) < 1e-5
+    assert [_epochs_begun(out, rank) for rank in (0, 1)] == [[list(range(EPOCHS))]] * 2
+    assert _backups_left(folder) == []
