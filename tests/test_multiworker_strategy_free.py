@@ -47,7 +47,7 @@ def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path,
 
 CUSTOM_VARIANTS = ("first", "lower", "two")
 INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share", "sparse_dataset",
-               "shuffled_dataset", "py_dataset_threaded", "arrays_shuffled", "transfer")
+               "shuffled_dataset", "py_dataset_threaded", "arrays_shuffled", "transfer", "added_losses")
 
 
 @pytest.mark.slow
@@ -73,7 +73,8 @@ def test_other_inputs_and_losses_equal_one_process():
     PyDataset and shuffled arrays train in one process's order (before: an extra iterator of the data before epoch 1
     shifted the first two, its pipeline made 256 elements for 192; the arrays took kerasdist's own seeded order);
     keras.io's transfer-learning flow (freeze, compile, fit, unfreeze, compile, fit) moves the base as one process
-    does. One process trains them in turn."""
+    does; add_loss of a mean and of a Loss, and a kernel regularizer, as one process (docs/equivalence.md).
+    One process trains them in turn."""
     launched, single = _both(INPUTS, INPUT_CASES)
     for case in INPUT_CASES:
         for rank in (0, 1):

@@ -8,6 +8,7 @@ Cases: ``py_dataset`` (a keras.utils.PyDataset of global batches; ``py_dataset_s
 one worker's share is empty), ``shuffled_dataset`` (``ds.shuffle(n, seed)``, reshuffled each epoch; also counts the
 elements its pipeline made), ``py_dataset_threaded`` (PyDataset(workers=4)), ``arrays_shuffled`` (numpy, fit's
 shuffle=True), ``transfer`` (keras.io's transfer learning flow: frozen base, compile, fit, unfreeze, compile, fit),
+``added_losses`` (a kernel regularizer, and add_loss of a mean over rows and of a keras.losses.Loss),
 each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the history}.
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
@@ -24,6 +25,13 @@ if os.environ.get("TEST_STRATEGY_FREE_BY_WORKER"):  # a bad set-up: each worker 
     os.environ["KERASDIST_STRATEGY_FREE"] = \
         os.environ["TEST_STRATEGY_FREE_BY_WORKER"].split(",")[kerasdist.detect_cluster().task_index]
 BATCH, STEPS = 16, 4
+
+
+class AddedLosses(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.mean(keras.ops.square(x)) * 0.1)
+        self.add_loss(keras.losses.MeanSquaredError()(keras.ops.zeros_like(x), x))
+        return x
 
 
 def train(case):
@@ -49,6 +57,9 @@ def train(case):
     layers = [keras.Input((5,), sparse=case == "sparse_dataset"), keras.layers.Dense(4, activation="tanh")]
     if case == "empty_share":
         layers.append(keras.layers.BatchNormalization())
+    if case == "added_losses":  # docs/equivalence.md "add_loss": means and row-independent losses are exact
+        layers[1] = keras.layers.Dense(4, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05))
+        layers.append(AddedLosses())
     model = keras.Sequential(layers + [keras.layers.Dense(1)])
     loss = keras.losses.MeanSquaredError(reduction="sum") if case == "sum_loss" else "mse"
     model.compile(optimizer=keras.optimizers.SGD(0.01 if case == "sum_loss" else 0.1), loss=loss, metrics=["mae"],
