@@ -88,6 +88,24 @@ def test_ranks_identical_and_equal_to_single_process_on_global_batch(suite):
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 @needs_horovod
+def test_added_losses_and_a_regularizer_equal_single_process(suite):
+    """docs/equivalence.md, "add_loss": a mean over rows, a keras.losses.Loss and a kernel regularizer."""
+    import keras
+
+    ranks, _, _ = suite
+    model = common.build_added_losses_model()
+    model.set_weights(common.initial_weights(6))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = common.data(batches=8)
+    history = model.fit(x, y, batch_size=2 * common.BATCH, epochs=2, shuffle=False, verbose=0)
+    for rank in ranks:
+        assert np.abs(rank["added_losses_weights"] - flat(model.get_weights())).max() <= 1e-5
+        np.testing.assert_allclose(rank["added_losses_loss"], history.history["loss"], atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
 def test_batch_size_per_worker_gives_horovods_semantics_and_says_so_once(suite):
     """batch_size_per_worker=True: batch_size=16 per rank, so a step trains on 16 x 2 = 32 examples,
     the same training as the default run given batch_size=32 (the global batch)."""

@@ -13,6 +13,22 @@ def build_model(hidden=HIDDEN):
                              keras.layers.Dense(CLASSES)])
 
 
+def build_added_losses_model():
+    """build_model's, with a kernel regularizer and add_loss of a mean over rows and of a keras.losses.Loss
+    (docs/equivalence.md, "add_loss": exact on every word)."""
+    import keras
+
+    class AddedLosses(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.mean(keras.ops.square(x)) * 0.1)
+            self.add_loss(keras.losses.MeanSquaredError()(keras.ops.zeros_like(x), x))
+            return x
+
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(
+        HIDDEN, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05)), AddedLosses(),
+        keras.layers.Dense(CLASSES)])
+
+
 def initial_weights(seed, hidden=HIDDEN):
     """Fixed initial weights (numpy, independent of Keras's seeding)."""
     rng = np.random.default_rng(seed)

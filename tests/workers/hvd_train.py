@@ -124,6 +124,14 @@ def suite(outdir):
     out["per_worker_weights"] = model.get_weights()
     out["per_worker_steps"] = np.array(steps.steps)
 
+    # 9. add_loss of a mean and of a Loss, and a kernel regularizer: as one process.
+    model = common.build_added_losses_model()
+    model.set_weights(common.initial_weights(6))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute="horovod")
+    history = model.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    out["added_losses_weights"] = model.get_weights()
+    out["added_losses_loss"] = np.array(history.history["loss"])
+
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **{k: _array(v) for k, v in out.items()})
     print(f"rank {rank}/{size}: suite done", flush=True)
 
