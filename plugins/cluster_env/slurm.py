@@ -147,7 +147,7 @@ def detect(environ):
     if not in_task_step(environ):
         if not _said_single:
             _said_single.append(True)
-            log.warning("kerasdist: Slurm batch script outside srun (SLURM_PROCID without SLURM_STEP_NUM_TASKS): "
+            log.warning("kerasdist: Slurm batch script outside srun (SLURM_PROCID outside an srun step): "
                         "training as one process; start it with `srun python train.py` for one worker per task.")
         return None
     tasks = step_tasks(environ)
