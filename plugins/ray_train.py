@@ -68,10 +68,11 @@ def _report_to_ray(rank):
             import ray.train
 
             metrics = dict(_scalars(logs), epoch=epoch)
-            # every worker saves (a strategy's save may need all of them); only rank 0's copy goes to Ray
+            if rank != 0:
+                ray.train.report(metrics)  # Ray keeps rank 0's metrics, but every worker must report
+                return
             with tempfile.TemporaryDirectory(prefix="kerasdist-ray-", ignore_cleanup_errors=True) as folder:
-                self.model.save(os.path.join(folder, "model.keras"))
-                checkpoint = ray.train.Checkpoint.from_directory(folder) if rank == 0 else None
-                ray.train.report(metrics, checkpoint=checkpoint)
+                self.model.save(os.path.join(folder, "model.keras"))  # reads this worker's copy: no collective
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder))
 
     return ReportToRay()

@@ -164,6 +164,16 @@ def test_ray_train_gets_metrics_and_checkpoints_and_a_retry_resumes_at_the_faile
     assert _backups_left(folder) == []
 
 
+def test_outside_a_training_function_fit_reports_nothing():
+    import keras
+    import ray.train  # noqa: F401  imported, as in Ray's driver: ray.train.report would raise here
+
+    x, y, kernel = ray_train_fn.data()
+    model = keras.Sequential([keras.Input((ray_train_fn.FEATURES,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", distribute="mirrored")
+    assert len(model.fit(x, y, epochs=2, verbose=0).history["loss"]) == 2
+
+
 @pytest.mark.timeout(300)
 def test_ray_torch_trainer_gets_metrics_and_the_model_from_data_parallel(local_ray):
     pytest.importorskip("torch")
