@@ -46,7 +46,8 @@ def _launch(out, *args, check=True, **env):
 SCENARIOS = {"built": [], "unbuilt": ["--unbuilt"], "uneven": ["--rows", "46", "--batch", "15"],
              "no_metrics": ["--no-metrics", "--rows", "46", "--batch", "15"],
              "own_step": ["--custom-step", "--rows", "46", "--batch", "15"],
-             "recompile": ["--recompile", "--rows", "46", "--batch", "15"]}
+             "recompile": ["--recompile", "--rows", "46", "--batch", "15"],
+             "added_losses": ["--added-losses", "--rows", "46", "--batch", "15"]}
 #: keras.io "Customizing what happens in fit() with PyTorch" (tests/workers/torch_guides.py), none of whose steps calls
 #: scale_loss: 11 rows in batches of 4 (a last batch of 3: shares of 1 and 2 rows), 9 rows (a last batch of 1: one
 #: rank's share empty). Also scenarios of the shared launch, and of the torchrun test.
@@ -179,6 +180,13 @@ def test_uneven_and_empty_shares_train_like_one_process(two_ranks, one_process):
     """46 rows in global batches of 15: shares of 7 and 8, and a last batch of 1 row (one rank's share is
     empty) train as one device does."""
     _assert_like_one_process(_scenario(two_ranks, "uneven"), _scenario(one_process, "uneven", [0])[0], atol=1e-5)
+
+
+def test_added_losses_and_a_regularizer_train_like_one_process(two_ranks, one_process):
+    """docs/equivalence.md, "add_loss": a mean over rows, a keras.losses.Loss and a kernel regularizer, uneven
+    shares and an empty one included."""
+    _assert_like_one_process(_scenario(two_ranks, "added_losses"), _scenario(one_process, "added_losses", [0])[0],
+                             atol=1e-5)
 
 
 # -- Must show 3, and a rank that dies ---------------------------------------------------------------

@@ -43,6 +43,8 @@ def arguments(argv=None):
     parser.add_argument("--custom-step", action="store_true", help="a model class with its own train_step")
     parser.add_argument("--loss-reduction", default=None, help="mse with this reduction (default: Keras's)")
     parser.add_argument("--guide", default=None, help="a keras.io custom-step model (tests/workers/torch_guides.py)")
+    parser.add_argument("--added-losses", action="store_true",
+                        help="a kernel regularizer, and add_loss of a mean over rows and of a keras.losses.Loss")
     parser.add_argument("--recompile", action="store_true",
                         help="first compile without metrics and fit an epoch, then compile again (a new optimizer)")
     return parser.parse_args(argv)
@@ -62,10 +64,19 @@ class OwnStep(keras.Sequential):
         return super().train_step(data)
 
 
-def model(bn, unbuilt=False, seed=1, custom_step=False):
+class AddedLosses(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.mean(keras.ops.square(x)) * 0.1)
+        self.add_loss(keras.losses.MeanSquaredError()(keras.ops.zeros_like(x), x))
+        return x
+
+
+def model(bn, unbuilt=False, seed=1, custom_step=False, added_losses=False):
     keras.utils.set_random_seed(seed)
     layers = [] if unbuilt else [keras.Input((8,))]
-    layers += [keras.layers.Dense(16, activation="relu")]
+    regularizer = keras.regularizers.L2(0.05) if added_losses else None
+    layers += [keras.layers.Dense(16, activation="relu", kernel_regularizer=regularizer)]
+    layers += [AddedLosses()] if added_losses else []
     if bn:
         layers.append(keras.layers.BatchNormalization())
     layers.append(keras.layers.Dense(1))
@@ -156,7 +167,8 @@ def main(argv=None):
         return torch_guides.main(args, distribute, BatchLogs())
     x, y = data(args.rows)
     # each rank draws other initial weights: rank 0's must reach every rank (one process: rank 0's seed)
-    net = model(args.bn, args.unbuilt, args.seed + int(os.environ.get("RANK", "0")), args.custom_step)
+    net = model(args.bn, args.unbuilt, args.seed + int(os.environ.get("RANK", "0")), args.custom_step,
+                args.added_losses)
     if args.recompile:  # a user's first stage (e.g. a frozen base), then the model compiled again
         net.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", distribute=distribute)
         net.fit(**as_input(args.input, x, y, args.batch), epochs=1, shuffle=False, verbose=0)
