@@ -133,6 +133,23 @@ def plain_model(activation=None):
     return functional(keras.Model, activation)
 
 
+class AddedLosses(keras.layers.Layer):
+    """add_loss of a mean over rows, of a keras.losses.Loss and of a sum over rows (docs/equivalence.md)."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.mean(keras.ops.square(x)) * 0.1)
+        self.add_loss(keras.losses.MeanSquaredError()(keras.ops.zeros_like(x), x))
+        self.add_loss(keras.ops.sum(x) * 0.01)
+        return x
+
+
+def added_losses_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.05))(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1)(AddedLosses()(hidden)))
+
+
 def frozen_base_model():
     """keras.io's transfer-learning shape: a base (with BatchNormalization) frozen, called with training=False."""
     keras.utils.set_random_seed(0)
@@ -163,6 +180,8 @@ CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: no
         model=frozen_base_model, unfreeze="base",
         compile=dict(loss="binary_crossentropy", metrics=[keras.metrics.BinaryAccuracy(name="acc")]),
         fit=lambda: arrays(LABELS), evaluate=None),
+    # a regularizer and add_loss of a mean, a Loss and a sum: one program over the global batch, all exact
+    "added_losses": dict(model=added_losses_model, compile=dict(loss="mse"), fit=arrays, evaluate=None),
     # the batch not split (a batch axis of 1): over two processes both feed every row
     "model_parallel_guide": dict(model=lambda: functional(FirstGuideModel), compile=dict(loss="mse", metrics=["mae"]),
                                  fit=arrays, evaluate=None,
