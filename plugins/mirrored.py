@@ -92,9 +92,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
 def _predict_on_empty_replicas(model):
     """A replica given no rows (``predict`` on fewer rows than replicas) predicts one row of zeros and returns none
-    of it: TensorFlow's graph fails on a convolution + BatchNormalization over an empty batch ("Incompatible
-    shapes: [32] vs. [0,64,64,3]", stock MirroredStrategy too). Rows never mix in inference, so the others'
-    outputs are one device's. Inputs other than dense tensors go to the model's own step. Idempotent."""
+    of it: TensorFlow's oneDNN convolution gives an empty batch the input's shape, so the next layer fails
+    ("Incompatible shapes: [32] vs. [0,64,64,3]", stock MirroredStrategy too; fine with TF_ENABLE_ONEDNN_OPTS=0).
+    Rows never mix in inference, so the others' outputs are one device's. Inputs other than dense tensors go to
+    the model's own step. Idempotent."""
     import keras
     import tensorflow as tf
 
