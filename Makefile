@@ -45,8 +45,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	KERASDIST_CPU_REPLICAS=2 $(PY) examples/two_line.py
 
+# The suite runs on 2 pytest-xdist workers (this machine kind has 2 cores; most tests wait on child
+# processes), a test file to a worker so that a module's shared launch runs once. PYTEST_WORKERS=0: serial.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS := -ra $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(PY) -m pytest -ra
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 # `pip freeze` of the venv against the lock (also run at the end of every set-up).
 check-lock: $(STAMP)
@@ -86,7 +91,7 @@ fresh-venv-test:
 	if [ "$(HOROVOD)" = 1 ]; then $(VENV_X)/bin/python -m pip -q install setuptools wheel cloudpickle cffi && \
 	    bash .ci/build_horovod.sh $(VENV_X)/bin/python; fi
 	$(VENV_X)/bin/python -m pip freeze | grep -iE '^(keras|keras-nightly|tensorflow-cpu|jax|numpy|onnxruntime|protobuf)==' || true
-	$(VENV_X)/bin/python -m pytest -ra -p no:cacheprovider
+	$(VENV_X)/bin/python -m pytest $(PYTEST_ARGS) -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) bench/bench_mirrored.py
