@@ -304,3 +304,20 @@ def test_is_chief_names_the_one_writer(environ, chief):
         assert kerasdist.is_chief() is chief
     finally:
         reset_system(previous)
+
+
+@pytest.mark.parametrize("slurm, expected", [
+    ({}, "torchrun"),  # torchrun alone
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "torchrun"),  # torchrun in a batch script, outside srun
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_ID": "0"}, "torchrun"),  # srun --ntasks 1 torchrun
+    ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, None),  # srun's tasks: cluster_env
+])
+def test_torchrun_inside_one_slurm_task_is_read_as_torchrun(slurm, expected):
+    from kerasdist_plugins.torch_distributed.launching import detect
+
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+               **slurm}
+    found = detect(environ)
+    assert (found and found.source) == expected
+    if found is not None:
+        assert (found.task_index, found.num_workers) == (1, 2)

@@ -1,8 +1,9 @@
 """torchrun's variables as a kerasdist cluster, and the same variables for ``kerasdist launch``'s workers.
 
 torchrun (and ``torch.distributed.launch``, TorchX, Kubeflow's PyTorchJob) give each process RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK. A TF_CONFIG or a Slurm step is left to the cluster_env
-plugin (its ranks are mapped in group.py), so a process that has both is read one way only.
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK. A TF_CONFIG or a Slurm step of several tasks is left to the
+cluster_env plugin (its ranks are mapped in group.py), so a process that has both is read one way only; torchrun
+inside one Slurm task (``srun --ntasks 1 torchrun ...``, or in a batch script) is read as torchrun.
 """
 
 from kerasdist import ClusterInfo
@@ -13,7 +14,7 @@ from .group import torchrun_ranks
 
 def detect(environ):
     """A :class:`kerasdist.ClusterInfo` (source "torchrun") from torchrun's variables, else None."""
-    if environ.get("TF_CONFIG", "").strip() or "SLURM_PROCID" in environ:
+    if environ.get("TF_CONFIG", "").strip() or _slurm_step_tasks(environ) > 1:
         return None
     found = torchrun_ranks(environ)
     if found is None or found[1] < 2:
@@ -21,6 +22,13 @@ def detect(environ):
     rank, world, local, host, port = found
     return ClusterInfo(task_type="worker", task_index=rank, cluster={"worker": [f"{host}:{port}"] * world},
                        source="torchrun", extra={"local_rank": local})
+
+
+def _slurm_step_tasks(environ):
+    """The tasks of the Slurm step this process runs in (0 outside one, or when the count is unreadable: the
+    cluster_env plugin names that error)."""
+    value = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
+    return int(value) if value.isdigit() else 0
 
 
 def launch_environment(worker, environ):
