@@ -73,16 +73,22 @@ lock:
 
 # Not part of `make test`: the suite on the newest versions the ranges allow today, and on the
 # next Keras (keras-nightly in place of keras). Each in its own venv.
+# test-latest runs on the newest Python the packages support here (JAX >= 0.11 needs Python >= 3.12); there the
+# registry's torch is the CUDA build (with NVIDIA's wheels, about 3 GB), which also runs on CPU.
+LATEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12) $(PYTHON))
+
 test-latest:
-	$(MAKE) --no-print-directory fresh-venv-test VENV_X=.venv-latest KERAS_PKG=
+	$(MAKE) --no-print-directory fresh-venv-test VENV_X=.venv-latest KERAS_PKG= VENV_PYTHON=$(LATEST_PYTHON) TORCH_PIN=
 
 test-keras-nightly:
 	$(MAKE) --no-print-directory fresh-venv-test VENV_X=.venv-keras-nightly KERAS_PKG=keras-nightly
 
+VENV_PYTHON ?= $(PYTHON)
+TORCH_PIN ?= torch==2.13.0+cpu
 fresh-venv-test:
-	rm -rf $(VENV_X) && $(PYTHON) -m venv $(VENV_X)
+	rm -rf $(VENV_X) && $(VENV_PYTHON) -m venv $(VENV_X)
 	$(VENV_X)/bin/python -m pip -q install --upgrade pip
-	$(VENV_X)/bin/python -m pip -q install --upgrade --upgrade-strategy eager $(FIND_LINKS) -e '.[cpu,jax,test,torch]' 'torch==2.13.0+cpu'
+	$(VENV_X)/bin/python -m pip -q install --upgrade --upgrade-strategy eager $(FIND_LINKS) -e '.[cpu,jax,test,torch]' $(TORCH_PIN)
 	$(VENV_X)/bin/python -m pip -q install --no-deps -r requirements/no-deps.in
 	if [ -n "$(KERAS_PKG)" ]; then $(VENV_X)/bin/python -m pip -q uninstall -y keras && \
 	    $(VENV_X)/bin/python -m pip -q install --pre --no-deps $(KERAS_PKG); \
