@@ -88,6 +88,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
         _predict_on_empty_replicas(model)
+        _evaluate_on_empty_replicas(model)
 
 
 def _predict_on_empty_replicas(model):
@@ -122,3 +123,27 @@ def _predict_on_empty_replicas(model):
     predict_step._kerasdist_empty_replicas = True
     model.predict_step = predict_step
 
+
+def _evaluate_on_empty_replicas(model):
+    """A replica given no rows skips Keras's own ``test_step`` (the convolution of
+    :func:`_predict_on_empty_replicas`) and returns its metrics unchanged, as the step on no rows would. A model
+    with its own ``test_step`` or ``compute_metrics`` keeps it. Idempotent."""
+    import keras
+    import tensorflow as tf
+
+    step = model.test_step
+    own = vars(model)
+    if (getattr(step, "_kerasdist_empty_replicas", False) or "test_step" in own or "compute_metrics" in own
+            or type(model).test_step is not keras.Model.test_step
+            or type(model).compute_metrics is not keras.Model.compute_metrics):
+        return
+
+    def test_step(data):
+        leaves = [leaf for leaf in keras.tree.flatten(data) if leaf is not None]
+        if (not leaves or not all(isinstance(leaf, tf.Tensor) and leaf.shape.rank for leaf in leaves)
+                or tf.distribute.get_replica_context() is None):
+            return step(data)
+        return tf.cond(tf.shape(leaves[0])[0] > 0, lambda: step(data), model.get_metrics_result)
+
+    test_step._kerasdist_empty_replicas = True
+    model.test_step = test_step

@@ -239,21 +239,25 @@ def test_an_unbuilt_model_whose_input_leaves_a_dimension_unknown_builds_from_one
     assert [tuple(w.shape) for w in model.weights] == [(6, 4), (4,), (4, 1), (1,)]
 
 
-def test_predict_on_fewer_rows_than_replicas_equals_one_device():
+def test_predict_and_evaluate_on_fewer_rows_than_replicas_equal_one_device():
     """A replica given no rows (one image; a last batch of 1) used to fail in TensorFlow's conv + BatchNormalization
-    graph ("Incompatible shapes", stock MirroredStrategy too)."""
+    graph ("Incompatible shapes", stock MirroredStrategy too): TensorFlow's oneDNN convolution on an empty batch."""
     images = np.random.default_rng(0).normal(size=(3, 8, 8, 3)).astype("float32")
 
     def conv_bn(distribute):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3), keras.layers.BatchNormalization(),
                                   keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(2)])
-        model.compile(optimizer="sgd", loss="mse", distribute=distribute)
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"], distribute=distribute)
         return model
 
     plain, mirrored = conv_bn(None), conv_bn("mirrored")
+    targets = np.ones((3, 2), "float32")
     for rows, batch_size in ((1, None), (3, None), (3, 2)):
         expected = plain.predict(images[:rows], batch_size=batch_size, verbose=0)
         got = mirrored.predict(images[:rows], batch_size=batch_size, verbose=0)
         assert got.shape == expected.shape == (rows, 2)
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+        expected = plain.evaluate(images[:rows], targets[:rows], batch_size=batch_size, verbose=0)
+        got = mirrored.evaluate(images[:rows], targets[:rows], batch_size=batch_size, verbose=0)
         np.testing.assert_allclose(got, expected, atol=1e-6)
