@@ -9,12 +9,29 @@ import importlib.metadata
 CLUSTER_HINT_GROUP = "kerasdist.cluster_hints"
 #: kerasdist's own hint, for clusters that a third-party plugin detects by other means.
 GENERIC_CLUSTER_HINT = "KERASDIST_CLUSTER"
+#: Step ids Slurm gives to steps that are not an srun's tasks (the batch script 0xfffffffe, extern, interactive...).
+SLURM_FIRST_SPECIAL_STEP_ID = 0xFFFFFFF0
 
 
 def cluster_hint_variables():
     """The environment variable names that make ``import kerasdist`` detect a cluster."""
     names = {ep.name for ep in importlib.metadata.entry_points(group=CLUSTER_HINT_GROUP)}
     return sorted(names | {GENERIC_CLUSTER_HINT})
+
+
+def slurm_step_tasks(environ):
+    """How many tasks the srun step this process runs in has: 0 outside one (no ``SLURM_STEP_NUM_TASKS``, or
+    the batch script's, extern or another special step). A count that is not a whole number is a
+    :class:`kerasdist.ClusterConfigError`."""
+    count = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
+    step = environ.get("SLURM_STEP_ID", "").strip()
+    if not count or (step.isdigit() and int(step) >= SLURM_FIRST_SPECIAL_STEP_ID):
+        return 0
+    if not count.isdigit():
+        from .errors import ClusterConfigError
+
+        raise ClusterConfigError(f"Slurm: SLURM_STEP_NUM_TASKS={count!r} is not a whole number.")
+    return int(count)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from ._keras_internals.training import keras_step_order_is_known, mean_state
 from ._keras_internals.training import place_batches_by
 from ._keras_internals.torch_sharding import replace_variable_tensor
 from .backend import keras_backend
+from .cluster import slurm_step_tasks
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
 from .process_group import gather_across_processes, process_group_size, set_process_group
@@ -40,6 +41,7 @@ from .variables import unique_variables
 __all__ = [
     # values and the environment
     "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
+    "slurm_step_tasks",
     "is_dataset", "arrays_as_dataset", "split_batches", "unique_variables", "local_replica_devices",
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # process-wide state (one home, one reset): process_state.slot / on_reset / reset

@@ -310,6 +310,7 @@ def test_is_chief_names_the_one_writer(environ, chief):
     ({}, "torchrun"),  # torchrun alone
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "torchrun"),  # torchrun in a batch script, outside srun
     ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_ID": "0"}, "torchrun"),  # srun --ntasks 1 torchrun
+    ({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "4294967294"}, "torchrun"),  # batch step
     ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, None),  # srun's tasks: cluster_env
 ])
 def test_torchrun_inside_one_slurm_task_is_read_as_torchrun(slurm, expected):

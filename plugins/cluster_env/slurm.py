@@ -12,6 +12,7 @@ import logging
 import re
 
 from kerasdist import ClusterConfigError, ClusterInfo
+from kerasdist.plugin_tools import slurm_step_tasks
 
 log = logging.getLogger("kerasdist.slurm")
 
@@ -19,8 +20,6 @@ PORT_BASE_VAR = "KERASDIST_SLURM_PORT_BASE"
 #: Ports derived from the job and step id lie in PORT_LOW..PORT_HIGH-1, below Linux's ephemeral range
 #: (32768-60999, where clients' own ports come from); each step gets a block of PORT_BLOCK ports per node.
 PORT_LOW, PORT_HIGH, PORT_BLOCK = 20000, 32768, 64
-#: Step ids Slurm gives to steps that are not an srun's tasks (batch script 0xfffffffe, extern, interactive...).
-FIRST_SPECIAL_STEP_ID = 0xFFFFFFF0
 _FIX = ("Run one worker per task with `srun --ntasks N python train.py` and `--distribution=block` (or "
         "cyclic), or give each task a TF_CONFIG naming every worker's host:port.")
 _said_single = []
@@ -128,17 +127,12 @@ def port_base(environ, tasks_on_a_node):
 
 def in_task_step(environ):
     """Whether this process is a task of an srun step (not the batch script itself, nor an extern step)."""
-    if not environ.get("SLURM_STEP_NUM_TASKS", "").strip():
-        return False
-    step = environ.get("SLURM_STEP_ID", "").strip()
-    return not (step.isdigit() and int(step) >= FIRST_SPECIAL_STEP_ID)
+    return slurm_step_tasks(environ) > 0
 
 
 def step_tasks(environ):
     """How many tasks this srun step has (0 outside a step)."""
-    if not in_task_step(environ):
-        return 0
-    return _whole_number(environ["SLURM_STEP_NUM_TASKS"], "SLURM_STEP_NUM_TASKS")
+    return slurm_step_tasks(environ)
 
 
 def detect(environ):

@@ -7,14 +7,14 @@ inside one Slurm task (``srun --ntasks 1 torchrun ...``, or in a batch script) i
 """
 
 from kerasdist import ClusterInfo
-from kerasdist.plugin_tools import keras_backend, split_address
+from kerasdist.plugin_tools import keras_backend, slurm_step_tasks, split_address
 
 from .group import torchrun_ranks
 
 
 def detect(environ):
     """A :class:`kerasdist.ClusterInfo` (source "torchrun") from torchrun's variables, else None."""
-    if environ.get("TF_CONFIG", "").strip() or _slurm_step_tasks(environ) > 1:
+    if environ.get("TF_CONFIG", "").strip() or slurm_step_tasks(environ) > 1:
         return None
     found = torchrun_ranks(environ)
     if found is None or found[1] < 2:
@@ -22,13 +22,6 @@ def detect(environ):
     rank, world, local, host, port = found
     return ClusterInfo(task_type="worker", task_index=rank, cluster={"worker": [f"{host}:{port}"] * world},
                        source="torchrun", extra={"local_rank": local})
-
-
-def _slurm_step_tasks(environ):
-    """The tasks of the Slurm step this process runs in (0 outside one, or when the count is unreadable: the
-    cluster_env plugin names that error)."""
-    value = environ.get("SLURM_STEP_NUM_TASKS", "").strip()
-    return int(value) if value.isdigit() else 0
 
 
 def launch_environment(worker, environ):
