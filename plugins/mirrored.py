@@ -96,12 +96,13 @@ def _predict_on_empty_replicas(model):
     of it: TensorFlow's oneDNN convolution gives an empty batch the input's shape, so the next layer fails
     ("Incompatible shapes: [32] vs. [0,64,64,3]", stock MirroredStrategy too; fine with TF_ENABLE_ONEDNN_OPTS=0).
     Rows never mix in inference, so the others' outputs are one device's. Inputs other than dense tensors go to
-    the model's own step. Idempotent."""
+    the model's own step; a model with its own ``predict_step`` keeps it (its outputs need not be rows). Idempotent."""
     import keras
     import tensorflow as tf
 
     step = model.predict_step
-    if getattr(step, "_kerasdist_empty_replicas", False):
+    if (getattr(step, "_kerasdist_empty_replicas", False) or "predict_step" in vars(model)
+            or type(model).predict_step is not keras.Model.predict_step):
         return
 
     def at_least_one_row(tensor, rows):
@@ -117,8 +118,9 @@ def _predict_on_empty_replicas(model):
             return step(data)
         rows = tf.shape(leaves[0])[0]
         outputs = step(keras.tree.map_structure(lambda t: t if t is None else at_least_one_row(t, rows), data))
-        return keras.tree.map_structure(
-            lambda t: t[:rows] if isinstance(t, tf.Tensor) and t.shape.rank else t, outputs)
+        return keras.tree.map_structure(  # only the replica given no rows drops its row of zeros
+            lambda t: tf.cond(rows > 0, lambda: t, lambda: t[:0]) if isinstance(t, tf.Tensor) and t.shape.rank else t,
+            outputs)
 
     predict_step._kerasdist_empty_replicas = True
     model.predict_step = predict_step

@@ -261,3 +261,27 @@ def test_predict_and_evaluate_on_fewer_rows_than_replicas_equal_one_device():
         expected = plain.evaluate(images[:rows], targets[:rows], batch_size=batch_size, verbose=0)
         got = mirrored.evaluate(images[:rows], targets[:rows], batch_size=batch_size, verbose=0)
         np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+def test_a_models_own_predict_step_is_left_alone():
+    """A model's own ``predict_step`` is not wrapped: its outputs need not be one per input row (here two), which
+    the wrapper for replicas given no rows used to cut to the replica's rows."""
+
+    class TwoRowsEach(keras.Sequential):
+        def predict_step(self, data):
+            outputs = self(data[0] if isinstance(data, tuple) else data, training=False)
+            return tf.concat([outputs, outputs * 2], 0)
+
+    def model(distribute):
+        keras.utils.set_random_seed(0)
+        model = TwoRowsEach([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse", distribute=distribute)
+        return model
+
+    plain, mirrored = model(None), model("mirrored")
+    assert not getattr(mirrored.predict_step, "_kerasdist_empty_replicas", False)
+    x = np.random.default_rng(0).normal(size=(4, 3)).astype("float32")
+    expected = plain.predict(x, batch_size=4, verbose=0)
+    got = mirrored.predict(x, batch_size=4, verbose=0)
+    assert got.shape == expected.shape == (8, 2)
+    np.testing.assert_allclose(np.sort(got, 0), np.sort(expected, 0), atol=1e-6)
