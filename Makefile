@@ -90,6 +90,9 @@ fresh-venv-test:
 	$(VENV_X)/bin/python -m pip -q install --upgrade pip
 	$(VENV_X)/bin/python -m pip -q install --upgrade --upgrade-strategy eager $(FIND_LINKS) -e '.[cpu,jax,test,torch]' $(TORCH_PIN)
 	$(VENV_X)/bin/python -m pip -q install --no-deps -r requirements/no-deps.in
+	# The registry's CUDA torch brings triton (GPU kernels), whose import segfaults in a process that has
+	# imported TensorFlow 2.21 first (as the test process does); torch runs without it on CPU.
+	if [ -z "$(TORCH_PIN)" ]; then $(VENV_X)/bin/python -m pip -q uninstall -y triton || true; fi
 	if [ -n "$(KERAS_PKG)" ]; then $(VENV_X)/bin/python -m pip -q uninstall -y keras && \
 	    $(VENV_X)/bin/python -m pip -q install --pre --no-deps $(KERAS_PKG); \
 	else rm -rf $(VENV_X)/keras-nightly && $(VENV_X)/bin/python -m pip -q install --require-hashes --no-deps \
