@@ -1,4 +1,6 @@
 import os
+import shutil
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The in-process tests use 2 logical CPU replicas; subprocess tests set their own environment.
@@ -27,3 +29,11 @@ def fresh_system(monkeypatch):
 @pytest.fixture
 def system():
     return get_system()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the folder the child processes of this test process kept their fit backups in (tests/helpers.py)."""
+    for name in ("helpers", "tests.helpers"):
+        root = getattr(sys.modules.get(name), "BACKUP_ROOT", None)
+        if root:
+            shutil.rmtree(root, ignore_errors=True)

@@ -1,14 +1,25 @@
 """Helpers for tests that start real processes: loopback only, always a timeout, nothing left behind."""
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
+# Child processes keep kerasdist's fit backups here, not in the user's ~/.cache/kerasdist/backups: one folder a test
+# process (this module is imported as "helpers" and as "tests.helpers": one folder for both), removed when the
+# session finishes (tests/conftest.py) or, outside pytest, when the process exits
+BACKUP_ROOT = (getattr(sys.modules.get("tests.helpers"), "BACKUP_ROOT", None)
+               or getattr(sys.modules.get("helpers"), "BACKUP_ROOT", None))
+if BACKUP_ROOT is None:
+    BACKUP_ROOT = tempfile.mkdtemp(prefix="kerasdist-test-backups-")
+    atexit.register(shutil.rmtree, BACKUP_ROOT, True)
 
 
 _ports_given = set()
@@ -27,13 +38,15 @@ def free_port():
 
 
 def child_env(**extra):
-    """The environment for a child Python process: no inherited cluster or replica settings, and
-    multiworker's ``auto`` keeps the TCP ring unmeasured (no timing probe, so a test's transport does not
-    depend on the machine's load) unless ``extra`` sets KERASDIST_TRANSPORT_PROBE."""
+    """The environment for a child Python process: no inherited cluster or replica settings, fit's backups in
+    this test process's :data:`BACKUP_ROOT` (KERASDIST_BACKUP_DIR), and multiworker's ``auto`` keeps the TCP ring
+    unmeasured (no timing probe, so a test's transport does not depend on the machine's load) unless ``extra``
+    sets KERASDIST_TRANSPORT_PROBE or KERASDIST_BACKUP_DIR."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KERASDIST_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_")) and k != "TF_CONFIG"}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["KERASDIST_TRANSPORT_PROBE"] = "off"
+    env["KERASDIST_BACKUP_DIR"] = BACKUP_ROOT
     env.update({k: str(v) for k, v in extra.items() if v is not None})
     return env
 

@@ -155,7 +155,7 @@ def test_slurm_batch_script_trains_at_once_and_torch_reads_slurm_without_tensorf
                     SLURM_JOB_ID="7")
     result = run([sys.executable, "-c", code], timeout=100, env=env)
     seconds = int(result.stdout.split("source local ")[1].split()[0])
-    assert seconds < 30 and "step 1 True False" in result.stdout, result.stdout
+    assert seconds < 120 and "step 1 True False" in result.stdout, result.stdout  # not the 300 s wait; a loaded machine
     assert result.stdout.count("Slurm batch script outside srun") == 1, result.stdout
 
 
