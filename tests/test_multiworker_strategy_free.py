@@ -298,3 +298,19 @@ def test_split_batches_cuts_sparse_rows_keeping_their_static_shape():
     one_row = tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(x), y)).batch(1).take(1)
     (features, labels), = list(split_batches(one_row, 0, 2))
     assert features.dense_shape.numpy().tolist() == [0, 5] and labels.shape == (0,)
+
+
+def test_workers_seeds_differing_only_below_float64_precision_are_not_the_same_seed():
+    """Seeds were compared as float64 sums: 2**60 and 2**60 + 1 counted as one seed, and the workers shuffled
+    arrays in different orders, silently. Checked without processes: the pieces two workers send, summed."""
+    from kerasdist_plugins.multiworker.strategy_free import _same_everywhere, _seed_pieces
+
+    def same(*seeds):
+        pieces = [_seed_pieces(s) for s in seeds]
+        return _same_everywhere(pieces[0], sum(pieces), sum(p ** 2 for p in pieces), len(seeds))
+
+    for seed in (2 ** 60, 2 ** 63 - 1, -(2 ** 62), 12345, 0):
+        assert same(seed, seed, seed)
+        assert not same(seed, seed + 1) and not same(seed + 1, seed)
+    assert not same(2 ** 60, 2 ** 60 + 2 ** 20, 2 ** 60 + 2 ** 21)
+    assert not same(None, None) and not same(7, None)

@@ -312,12 +312,28 @@ def _same_global_seed(ring):
     """Whether every worker has one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
     then each draws one process's shuffle of arrays; else (unset, or seeds differing) the workers share
     ``shuffle_seed``'s order. One small ring message; every worker asks at the same call."""
+    seed = tf_global_seed()
+    mine = _seed_pieces(seed)
+    total, squares = ring.sum_arrays(mine, mine ** 2)
+    return seed is not None and _same_everywhere(mine, total, squares, ring.size)
+
+
+def _seed_pieces(seed):
+    """``seed`` (TensorFlow's: an int64) as four 16-bit pieces of its 64 bits, in float64: their sums and sums of
+    squares over the workers are exact (a seed as one float64 loses the bits below 2**53); NaN for no seed."""
     import numpy as np
 
-    seed = tf_global_seed()
-    mine = np.array([np.nan if seed is None else float(seed)])
-    total, squares = ring.sum_arrays(mine, mine ** 2)  # equal values exactly when sum^2 == size * sum of squares
-    return seed is not None and bool(total[0] == mine[0] * ring.size and squares[0] == mine[0] ** 2 * ring.size)
+    if seed is None:
+        return np.full(4, np.nan)
+    bits = int(seed) % 2 ** 64
+    return np.array([(bits >> shift) & 0xFFFF for shift in (0, 16, 32, 48)], dtype=np.float64)
+
+
+def _same_everywhere(mine, total, squares, size):
+    """Whether every worker sent ``mine``: sum x_i = n m and sum x_i^2 = n m^2 give sum (x_i - m)^2 = 0."""
+    import numpy as np
+
+    return bool(np.all(total == mine * size) and np.all(squares == mine ** 2 * size))
 
 
 def _in_shared_order(dataset, seed):
