@@ -60,7 +60,10 @@ GUIDES = {"guide_first": ["--guide", "first", "--rows", "11", "--batch", "4"],
           "guide_gan": ["--guide", "gan", "--rows", "9", "--batch", "4"]}
 SCENARIOS.update(GUIDES)
 #: run only under the launch: a loss summed over rows (refused), the SIGKILL test's uninterrupted 4-epoch run
-LAUNCH_ONLY = {"sum_loss": ["--loss-reduction", "sum"], "uninterrupted": ["--epochs", "4"]}
+#: a custom step's logs: backed by a metric on one rank only, inf with an empty share (9 rows), per row (refused)
+LAUNCH_ONLY = {"sum_loss": ["--loss-reduction", "sum"], "uninterrupted": ["--epochs", "4"],
+               "tracked_on_one_rank": ["--guide", "tracked_on_one_rank", "--rows", "9", "--batch", "4"],
+               "per_row_log": ["--guide", "per_row_log", "--rows", "11", "--batch", "4"]}
 
 
 def _run_scenarios(out, scenarios, command, **env):
@@ -236,6 +239,23 @@ def test_a_loss_summed_over_rows_is_refused_at_compile_in_every_rank(two_ranks):
         raised = open(path).read()
         assert raised.startswith("KerasdistError") and "reduction 'sum'" in raised, raised
         assert "sum_over_batch_size" in raised and "scale the learning rate" in raised, raised
+
+
+def test_custom_steps_logs_reduce_alike_in_every_rank_and_per_row_logs_are_refused(two_ranks):
+    """A log that is a metric's result on one rank only, and a log inf on a rank with an empty share: before, the
+    ranks sent all-reduces of different lengths (gloo: "Connection reset by peer") and inf * 0 = NaN; a per-row
+    tensor log (each rank: its share's rows) failed in a TypeError (or a size mismatch)."""
+    first, second = _scenario(two_ranks, "tracked_on_one_rank")
+    for key in ("batch_logs", *(k for k in first.files if k.startswith("history_"))):
+        np.testing.assert_array_equal(first[key], second[key], err_msg=key)
+    assert np.all(np.isinf(first["history_overflow"])), first["history_overflow"]
+    assert np.all(np.isfinite(first["history_batch_loss"])) and np.all(np.isfinite(first["history_loss"]))
+    out, output, _ = two_ranks
+    for rank in (0, 1):
+        path = os.path.join(out, f"per_row_log.error-rank{rank}.txt")
+        assert os.path.exists(path), output[-3000:]
+        raised = open(path).read()
+        assert raised.startswith("KerasdistError") and "['y_pred']" in raised and "scalars" in raised, raised
 
 
 def _torch_snippet(code, **env):

@@ -6,9 +6,11 @@ metric backs. A metric updated with one scalar per step (``tracker.update_state(
 losses) adds its ranks' changes weighted by their rows (``sum_r n_r / N * change_r``: the global batch's
 loss, counted once); every other update (per row: ``update_state(y, y_pred)``, Keras's own loss tracker
 weighted by the batch size) adds the changes. Every rank then holds the summed states, and the returned logs
-are recomputed: a value that is a metric's result (``{m.name: m.result() for m in self.metrics}``, or
-``get_metrics_result()``'s) is that metric's new result; any other float value is averaged over the ranks
-weighted by their rows (the global batch's value of a mean over rows).
+are recomputed: a value that is a metric's result on every rank (``{m.name: m.result() for m in self.metrics}``,
+or ``get_metrics_result()``'s) is that metric's new result; any other scalar float value is averaged over the ranks
+weighted by their rows (the global batch's value of a mean over rows); a non-scalar float log (per-row values)
+is refused with a KerasdistError. The message's layout depends only on the logs' names and shapes, the same on
+every rank.
 
 A rank whose share of the batch is empty runs the same step on the placeholder row (as ``(x, y)``: the same
 collectives in every rank) with weight 0; its model state (BatchNormalization's moving statistics) is put back.
@@ -46,23 +48,28 @@ def summed_step(model, state, step, data, training):
 
 
 def _reduced(model, state, metrics, variables, before, logs):
+    """ONE all-reduce whose layout is the same on every rank: each metric variable's change, then for each log
+    named like a metric a flag "this rank's value is that metric's result" (a log is backed only when every rank
+    says so), then each scalar float log's leaves times the rows, then the rows."""
     import torch
     import torch.distributed as dist
 
     rows = float(state.rows)
     batch_level = {id(v) for m in metrics if id(m) in state.batch_level for v in m.variables}
     local_results = _results(model, metrics)
-    backed = [k for k, v in logs.items() if k in local_results and _same(v, local_results[k])] \
-        if isinstance(logs, dict) else []
-    loose = [k for k, v in logs.items() if k not in backed and _floats(v)] if isinstance(logs, dict) else []
-    loose_leaves = [keras.tree.flatten(logs[k]) for k in loose]
+    logs_dict = logs if isinstance(logs, dict) else {}
+    named = [k for k in logs_dict if k in local_results]
+    scalars = [k for k, v in logs_dict.items() if _scalar_floats(v)]
+    scalar_leaves = [keras.tree.flatten(logs_dict[k]) for k in scalars]
     device = next((b.device for b in before), "cpu")
     parts = []
     for variable, value in zip(variables, before):
         change = (variable.value.detach() - value).reshape(-1).double()
-        parts.append(change * (rows if id(variable) in batch_level else float(rows > 0)))
-    parts += [torch.as_tensor(leaf, device=device).detach().reshape(-1).double() * rows
-              for leaves in loose_leaves for leaf in leaves]
+        parts.append(_times(change, rows if id(variable) in batch_level else float(rows > 0)))
+    parts.append(torch.tensor([float(_same(logs_dict[k], local_results[k])) for k in named],
+                              dtype=torch.float64, device=device))
+    parts += [_times(torch.as_tensor(leaf, device=device).detach().reshape(-1).double(), rows)
+              for leaves in scalar_leaves for leaf in leaves]
     parts.append(torch.tensor([rows], dtype=torch.float64, device=device))
     flat = torch.cat(parts)
     dist.all_reduce(flat)
@@ -78,18 +85,40 @@ def _reduced(model, state, metrics, variables, before, logs):
             at += size
     if not isinstance(logs, dict):
         return logs
+    ranks = dist.get_world_size()
+    backed = {k for k, flag in zip(named, flat[at:at + len(named)].tolist()) if flag == ranks}
+    at += len(named)
+    _refuse_per_row_logs(logs, backed, scalars)
     results = _results(model, metrics)
     reduced = dict(logs)
     for key in backed:
         reduced[key] = results[key]
-    for key, leaves in zip(loose, loose_leaves):
-        averaged = []
-        for leaf in leaves:
-            size = torch.as_tensor(leaf).numel()
-            averaged.append((flat[at:at + size] / total_rows).reshape(torch.as_tensor(leaf).shape).float())
-            at += size
-        reduced[key] = keras.tree.pack_sequence_as(logs[key], averaged)
+    for key, leaves in zip(scalars, scalar_leaves):
+        averaged = flat[at:at + len(leaves)] / total_rows
+        at += len(leaves)
+        if key not in backed:
+            reduced[key] = keras.tree.pack_sequence_as(logs[key], [a.reshape(()).float() for a in averaged])
     return reduced
+
+
+def _refuse_per_row_logs(logs, backed, scalars):
+    """A float log that is neither a metric's result on every rank nor scalar (a per-row tensor: each rank holds
+    other rows, as many as its share) cannot be made the global batch's: one clear error, the same on every rank."""
+    from kerasdist import KerasdistError
+
+    bad = [k for k, v in logs.items() if k not in backed and k not in scalars and _any_float_tensor(v)]
+    if bad:
+        raise KerasdistError(
+            f"distribute='data_parallel' (torch): the custom step returned the non-scalar float log(s) {bad}; "
+            "each rank holds only its share of the batch's rows, so they cannot be the global batch's. Return "
+            "scalars (a mean: keras.ops.mean(...)) or a metric's result (update a keras.metrics.Metric with them).")
+
+
+def _times(values, factor):
+    """``values * factor``; a factor 0 (an empty share) gives exact zeros, never inf * 0 = NaN."""
+    import torch
+
+    return values * factor if factor else torch.zeros_like(values)
 
 
 def _metrics(model):
@@ -118,12 +147,19 @@ def _same(value, result):
         for a, b in zip(values, results))
 
 
-def _floats(value):
+def _scalar_floats(value):
+    """Whether every leaf of ``value`` is a Python float or a float tensor of shape ()."""
     import torch
 
     leaves = keras.tree.flatten(value)
-    return bool(leaves) and all(
-        isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()) for leaf in leaves)
+    return bool(leaves) and all(isinstance(leaf, float) or (isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+                                                            and leaf.dim() == 0) for leaf in leaves)
+
+
+def _any_float_tensor(value):
+    import torch
+
+    return any(isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in keras.tree.flatten(value))
 
 
 def _watch(metric, state):

@@ -8,6 +8,8 @@ trackers made in ``__init__``, a ``metrics`` property), ``sample_weight`` (the s
 own ``compile``, random latent vectors drawn in the step; ``gan_data_noise``: those draws given as data, the
 same in one process and in the ranks); ``first_bn`` is ``first`` with a
 BatchNormalization (``--sync-bn``: statistics over every rank). None of the steps calls ``scale_loss``.
+``tracked_on_one_rank`` (``loss`` a metric's result on rank 0 only) and ``per_row_log`` (a per-row log: refused)
+check the all-reduce of a step's logs.
 Writes OUT/rank{r}.npz: the weights, each history key, each batch's logs (sorted keys), ``evaluate``.
 """
 
@@ -156,6 +158,26 @@ class GAN(keras.Model):
         return {"d_loss": self.d_loss_tracker.result(), "g_loss": self.g_loss_tracker.result()}
 
 
+class LossTrackedOnOneRank(LowerLevel):
+    """``loss``: the tracker's result on rank 0, the raw batch loss on rank 1 (a log backed by a metric on one
+    rank only), and the raw loss as ``batch_loss``: every rank must send the same all-reduce layout. ``overflow``: inf
+(a rank with an empty share must not make it inf * 0 = NaN)."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        raw = self.loss_fn(data[1], self(data[0], training=False))
+        rank = int(os.environ.get("RANK", "0"))
+        overflow = keras.ops.exp(keras.ops.convert_to_tensor(1000.0))  # inf on every rank, the empty share's too
+        return dict(logs, loss=logs["loss"] if rank == 0 else raw, batch_loss=raw, overflow=overflow)
+
+
+class PerRowLog(CustomModel):
+    """Returns its predictions (one per row of this rank's share) as a log: refused, on every rank."""
+
+    def train_step(self, data):
+        return dict(super().train_step(data), y_pred=self(data[0], training=False))
+
+
 class GANDataNoise(GAN):
     """The GAN whose random draws come with the data (``fit(x=images, y=noise)``: per row, 4 + 4 latent
     values and a label noise for its fake and its real image), so that one process draws what the ranks draw."""
@@ -203,19 +225,19 @@ def main(args, distribute, batch_logs):
     elif args.guide == "gan_data_noise":
         model = _gan(seed, distribute, GANDataNoise)
         fit["y"] = rng.random((args.rows, 10)).astype("float32")
-    elif args.guide == "lower":
-        model = _functional(LowerLevel, seed)
+    elif args.guide in ("lower", "tracked_on_one_rank"):
+        model = _functional(LowerLevel if args.guide == "lower" else LossTrackedOnOneRank, seed)
         model.compile(optimizer=sgd, distribute=distribute)
     else:
         cls = {"first": CustomModel, "first_bn": CustomModel, "sample_weight": WithSampleWeight,
-               "test_step": OwnTestStep}[args.guide]
+               "test_step": OwnTestStep, "per_row_log": PerRowLog}[args.guide]
         model = _functional(cls, seed, bn=args.guide == "first_bn")
         model.compile(optimizer=sgd, loss="mse", metrics=["mae"], distribute=distribute)
         if args.guide == "sample_weight":
             fit["sample_weight"] = rng.random((args.rows, 1)).astype("float32")
     history = model.fit(**fit)
     evaluated = {}  # the GANs have no test step, the lower-level model no compiled loss (Keras's test_step needs it)
-    if args.guide not in ("gan", "gan_data_noise", "lower"):
+    if args.guide not in ("gan", "gan_data_noise", "lower", "tracked_on_one_rank"):
         evaluated = model.evaluate(x, y, batch_size=args.batch, verbose=0, return_dict=True)
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"),
