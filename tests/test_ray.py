@@ -3,26 +3,45 @@ the module. Without a callback of the user's, each epoch's logs reach ``Result.m
 ``Result.checkpoint``; a SIGKILLed worker's retry (``FailureConfig(max_failures=1)``) trains only the epochs
 left, from kerasdist's backup keyed by the Ray run, and leaves no backup behind."""
 
+import contextlib
+import importlib.util
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import numpy as np
 import psutil
 import pytest
 
-# Ray turns a node address of 127.0.0.1 into the host's own unless it runs in its single-machine mode, which it
-# reads once, when ray is imported: then every Ray process listens on the loopback only (docs/ray.md)
-LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-_PREVIOUS = os.environ.get(LOOPBACK_ONLY)
-os.environ[LOOPBACK_ONLY] = "0"
-ray = pytest.importorskip("ray")
+from helpers import ROOT
+
+if importlib.util.find_spec("ray") is None:
+    pytest.skip("ray is not installed", allow_module_level=True)
 pytestmark = pytest.mark.slow
 
-from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
+# Ray turns a node address of 127.0.0.1 into the host's own unless it runs in its single-machine mode, which it
+# reads once, when ray is imported: then every Ray process listens on the loopback only (docs/ray.md). Set only
+# while this module imports and runs Ray (every pytest-xdist worker collects every test file).
+LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
-from helpers import ROOT  # noqa: E402
+
+@contextlib.contextmanager
+def _loopback_only():
+    """Ray imported (if not yet) and run in its single-machine mode; the variable restored after."""
+    previous = os.environ.get(LOOPBACK_ONLY)
+    os.environ[LOOPBACK_ONLY] = "0"
+    try:
+        import ray.train  # noqa: F401
+
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LOOPBACK_ONLY, None)
+        else:
+            os.environ[LOOPBACK_ONLY] = previous
 
 
 def _load_train_module():
@@ -44,33 +63,38 @@ LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
-    from ray import cloudpickle
+    """A local Ray on the loopback for the module; its session folder under a short path of its own (Ray's unix
+    sockets live there: a socket path is limited to ~107 characters), removed after."""
+    with contextlib.ExitStack() as stack:  # closed last: the variable restored, the session folder removed
+        stack.enter_context(_loopback_only())
+        import ray
+        from ray import cloudpickle
 
-    cloudpickle.register_pickle_by_value(ray_train_fn)
-    folder = tmp_path_factory.mktemp("ray")
-    scratch = folder / "scratch"
-    env = {"KERASDIST_BACKUP_DIR": "", "XDG_CACHE_HOME": str(folder / "cache"), "KERASDIST_SCRATCH_DIR": str(scratch),
-           "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1", "RAY_TRAIN_V2_ENABLED": "1"}
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
-             log_to_driver=False, runtime_env={"env_vars": env})
-    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-    try:
-        yield folder, started
-    finally:
-        ray.shutdown()
-        if _PREVIOUS is None:
-            os.environ.pop(LOOPBACK_ONLY, None)
-        else:
-            os.environ[LOOPBACK_ONLY] = _PREVIOUS
-        for process in started:  # what ray.shutdown left running, by the ids Ray started here
-            try:
-                process.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
+        cloudpickle.register_pickle_by_value(ray_train_fn)
+        folder = tmp_path_factory.mktemp("ray")
+        env = {"KERASDIST_BACKUP_DIR": "", "XDG_CACHE_HOME": str(folder / "cache"),
+               "KERASDIST_SCRATCH_DIR": str(folder / "scratch"), "TF_CPP_MIN_LOG_LEVEL": "3", "OMP_NUM_THREADS": "1",
+               "RAY_TRAIN_V2_ENABLED": "1"}
+        session = tempfile.mkdtemp(prefix="kdray", dir="/tmp")
+        stack.callback(shutil.rmtree, session, True)
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        started = []
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", configure_logging=False,
+                     log_to_driver=False, runtime_env={"env_vars": env}, _temp_dir=session)
+            started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            yield folder, started
+        finally:
+            ray.shutdown()
+            for process in started:  # what ray.shutdown left running, by the ids Ray started here
+                try:
+                    process.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
 
 
 def _trainer(folder, name, backend="tensorflow", **config):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.tensorflow import TensorflowTrainer
     from ray.train.torch import TorchTrainer
 
@@ -126,6 +150,8 @@ def _listening(processes):
 
 @pytest.mark.timeout(600)
 def test_ray_train_gets_metrics_and_checkpoints_and_a_retry_resumes_at_the_failed_epoch(local_ray):
+    import ray
+
     folder, started = local_ray
     expected = ray_train_fn.one_process_weights(EPOCHS)
 
@@ -166,7 +192,9 @@ def test_ray_train_gets_metrics_and_checkpoints_and_a_retry_resumes_at_the_faile
 
 def test_outside_a_training_function_fit_reports_nothing():
     import keras
-    import ray.train  # noqa: F401  imported, as in Ray's driver: ray.train.report would raise here
+
+    with _loopback_only():  # ray.train imported, as in Ray's driver: ray.train.report would raise here
+        pass
 
     x, y, kernel = ray_train_fn.data()
     model = keras.Sequential([keras.Input((ray_train_fn.FEATURES,)), keras.layers.Dense(1)])
