@@ -2,6 +2,7 @@
 of fit's backup under Ray, and which models rank 0 cannot save alone."""
 
 import keras
+import pytest
 
 from kerasdist_plugins import ray_train
 
@@ -60,3 +61,15 @@ def test_which_models_rank_0_cannot_save_alone():
     replicated.is_fully_replicated = True  # data parallel JAX over processes: every process holds all of it
     assert not ray_train.split_across_processes(Model(replicated))
     assert ray_train.split_across_processes(Model(replicated, SplitArray()))
+
+
+def test_rank_0_reports_a_split_model_without_a_checkpoint_and_says_why_once():
+    callback = ray_train._report_to_ray(0)
+    callback.set_model(Model(SplitArray()))
+    with pytest.warns(UserWarning, match="split across processes") as warned:
+        callback.on_train_begin()
+    assert not callback.checkpoints and len(warned) == 1
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    callback.set_model(model)
+    callback.on_train_begin()
+    assert callback.checkpoints
