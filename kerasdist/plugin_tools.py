@@ -36,6 +36,7 @@ from .cluster import slurm_step_tasks
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
 from .process_group import gather_across_processes, process_group_size, set_process_group
+from .step_checks import note_applied, start_first_step_check, unsummed_after_first_step, unsummed_updates_error
 from .variables import unique_variables
 
 __all__ = [
@@ -64,6 +65,7 @@ __all__ = [
     "replace_variable_tensor",
     # custom training steps (any backend)
     "optimizers_held_by",
+    "start_first_step_check", "note_applied", "unsummed_after_first_step", "unsummed_updates_error",
     # kerasdist's private, identity-checked BackupAndRestore backups: private_backups.add_backup(call_kwargs, spec,
     # model, strategy, fit_index, chief, scratch) (spec.backup_dir; strategy.num_replicas_in_sync)
     "private_backups",

@@ -60,10 +60,12 @@ GUIDES = {"guide_first": ["--guide", "first", "--rows", "11", "--batch", "4"],
           "guide_gan": ["--guide", "gan", "--rows", "9", "--batch", "4"]}
 SCENARIOS.update(GUIDES)
 #: run only under the launch: a loss summed over rows (refused), the SIGKILL test's uninterrupted 4-epoch run
-#: a custom step's logs: backed by a metric on one rank only, inf with an empty share (9 rows), per row (refused)
+#: a custom step's logs: backed by a metric on one rank only, inf with an empty share (9 rows), per row (refused);
+#: a custom step applying an optimizer kept in a dict (refused)
 LAUNCH_ONLY = {"sum_loss": ["--loss-reduction", "sum"], "uninterrupted": ["--epochs", "4"],
                "tracked_on_one_rank": ["--guide", "tracked_on_one_rank", "--rows", "9", "--batch", "4"],
-               "per_row_log": ["--guide", "per_row_log", "--rows", "11", "--batch", "4"]}
+               "per_row_log": ["--guide", "per_row_log", "--rows", "11", "--batch", "4"],
+               "optimizer_in_dict": ["--guide", "optimizer_in_dict", "--rows", "11", "--batch", "4", "--epochs", "1"]}
 
 
 def _run_scenarios(out, scenarios, command, **env):
@@ -256,6 +258,16 @@ def test_custom_steps_logs_reduce_alike_in_every_rank_and_per_row_logs_are_refus
         assert os.path.exists(path), output[-3000:]
         raised = open(path).read()
         assert raised.startswith("KerasdistError") and "['y_pred']" in raised and "scalars" in raised, raised
+
+
+def test_custom_steps_optimizer_kerasdist_cannot_see_is_refused_at_the_first_step_in_every_rank(two_ranks):
+    """An optimizer kept in a dict applied each rank's own gradients: the ranks drifted apart, silently."""
+    out, output, _ = two_ranks
+    for rank in (0, 1):
+        path = os.path.join(out, f"optimizer_in_dict.error-rank{rank}.txt")
+        assert os.path.exists(path), output[-3000:]
+        raised = open(path).read()
+        assert raised.startswith("KerasdistError") and "/kernel" in raised and "self.d_optimizer" in raised, raised
 
 
 def _torch_snippet(code, **env):

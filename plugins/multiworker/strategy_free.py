@@ -17,7 +17,9 @@ import keras
 
 from kerasdist import KerasdistError
 from kerasdist.plugin_tools import (arrays_as_dataset, is_dataset, keras_step_order_is_known, mean_state,
-                                    split_batches, tf_global_seed, unique_variables)
+                                    note_applied, optimizers_held_by, split_batches, start_first_step_check,
+                                    tf_global_seed, unique_variables, unsummed_after_first_step,
+                                    unsummed_updates_error)
 
 from .options import STRATEGY_FREE_VAR
 
@@ -93,18 +95,10 @@ def install(model, ring):
             _wrap_compute_loss(model, exchange)
         _wrap_steps(model, exchange)
     exchange.ring = ring
-    for optimizer in _optimizers_of(model):
+    for optimizer in optimizers_held_by(model):  # the outermost: a LossScaleOptimizer sums before its inf check
         if optimizer not in exchange.optimizers:
             exchange.optimizers.add(optimizer)
             _wrap_apply(model, optimizer, exchange)
-
-
-def _optimizers_of(model):
-    found = [model.optimizer] if model.optimizer is not None else []
-    for value in vars(model).values():  # the outermost only: a LossScaleOptimizer sums before its inf/NaN check
-        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
-            found.append(value)
-    return found
 
 
 def _wrap_compute_loss(model, exchange):
@@ -124,6 +118,7 @@ def _wrap_apply(model, optimizer, exchange):
     def apply(grads, trainable_variables=None):
         import tensorflow as tf
 
+        note_applied(model, model.trainable_variables if trainable_variables is None else trainable_variables)
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         rows = exchange.rows if exchange.rows is not None else tf.constant(1.0)  # outside fit: a plain mean
         summed = _summed_losses.get(model, False)
@@ -248,14 +243,27 @@ _broadcast = weakref.WeakSet()
 
 
 class BroadcastFromRankZero(keras.callbacks.Callback):
-    """At the start of ``fit`` (after any restore): rank 0's weights and optimizer state on every worker."""
+    """At the start of ``fit`` (after any restore): rank 0's weights and optimizer state on every worker. Around a
+    custom train step's first batch: every trainable variable it changed went through a summing optimizer."""
 
     def __init__(self, ring):
         super().__init__()
         self.ring = ring
+        self.checked = False
 
     def on_train_begin(self, logs=None):
         broadcast_state(self.model, self.ring)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        exchange = _exchanges.get(self.model)
+        self.checked = exchange is not None and not exchange.own_step and start_first_step_check(self.model)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.checked:
+            self.checked = False
+            unsummed = unsummed_after_first_step(self.model)
+            if unsummed:  # the same on every worker: each applied its own gradients with the same optimizer
+                raise unsummed_updates_error(unsummed, "multiworker")
 
 
 def broadcast_before(method, model, ring, call_kwargs):

@@ -18,7 +18,8 @@ collectives in every rank) with weight 0; its model state (BatchNormalization's 
 
 import keras
 
-from kerasdist.plugin_tools import unique_variables
+from kerasdist.plugin_tools import (start_first_step_check, unique_variables, unsummed_after_first_step,
+                                    unsummed_updates_error)
 
 from .training import is_placeholder, largest, local_rows
 
@@ -40,17 +41,20 @@ def summed_step(model, state, step, data, training):
     before = [v.value.detach().clone() for v in variables]
     kept = _model_state(model) if placeholder else []
     state.batch_level = set()
+    checked = training and start_first_step_check(model)
     logs = step(_without_mark(data) if placeholder else data)
+    unsummed = unsummed_after_first_step(model) if checked else None
     with torch.no_grad():
         for variable, value in kept:
             variable.value.copy_(value)
-    return _reduced(model, state, metrics, variables, before, logs)
+    return _reduced(model, state, metrics, variables, before, logs, unsummed)
 
 
-def _reduced(model, state, metrics, variables, before, logs):
+def _reduced(model, state, metrics, variables, before, logs, unsummed=None):
     """ONE all-reduce whose layout is the same on every rank: each metric variable's change, then for each log
     named like a metric a flag "this rank's value is that metric's result" (a log is backed only when every rank
-    says so), then each scalar float log's leaves times the rows, then the rows."""
+    says so), then each scalar float log's leaves times the rows, at the first train step a flag "a trainable
+    variable changed without a wrapped apply" (``unsummed``: their names), then the rows."""
     import torch
     import torch.distributed as dist
 
@@ -70,9 +74,13 @@ def _reduced(model, state, metrics, variables, before, logs):
                               dtype=torch.float64, device=device))
     parts += [_times(torch.as_tensor(leaf, device=device).detach().reshape(-1).double(), rows)
               for leaves in scalar_leaves for leaf in leaves]
+    if unsummed is not None:
+        parts.append(torch.tensor([float(bool(unsummed))], dtype=torch.float64, device=device))
     parts.append(torch.tensor([rows], dtype=torch.float64, device=device))
     flat = torch.cat(parts)
     dist.all_reduce(flat)
+    if unsummed is not None and float(flat[-2]) > 0:  # every rank raises
+        raise unsummed_updates_error(unsummed, "data_parallel")
     total_rows = float(flat[-1]) or 1.0
     at = 0
     with torch.no_grad():

@@ -28,7 +28,8 @@ import math
 
 import keras
 
-from kerasdist.plugin_tools import compiled_metrics, keras_step_order_is_known, optimizers_held_by, unique_variables
+from kerasdist.plugin_tools import (compiled_metrics, keras_step_order_is_known, note_applied, optimizers_held_by,
+                                    unique_variables)
 
 PLACEHOLDER_MARK = -0.0  # the sample weight of a placeholder row (a rank with no rows in this batch)
 
@@ -100,7 +101,7 @@ def install(model):
         if "_kerasdist_torch" not in optimizer.__dict__:
             optimizer._kerasdist_torch = True
             optimizer.scale_loss = _weighted_loss(optimizer.scale_loss, state)
-            optimizer.apply = _averaged_apply(optimizer.apply, state)
+            optimizer.apply = _averaged_apply(optimizer.apply, state, model)
 
 
 def _train_step(model, original, state):
@@ -172,11 +173,12 @@ def _weighted_loss(original, state):
     return scale_loss
 
 
-def _averaged_apply(original, state):
+def _averaged_apply(original, state, model):
     def apply(grads, trainable_variables=None):
         import torch
         import torch.distributed as dist
 
+        note_applied(model, model.trainable_variables if trainable_variables is None else trainable_variables)
         factor = 1.0 if state.loss_scaled else state.weight  # a loss no scale_loss weighted: its gradient, here
         state.loss_scaled = False
         grads = list(grads)

@@ -1,7 +1,8 @@
 """Custom ``train_step`` models from keras.io "Customizing what happens in fit() with TensorFlow", compiled with
 one word: ``first`` (its first CustomModel: compute_loss, optimizer.apply, every metric updated by hand), ``lower``
 (its lower-level one: own loss function and trackers, compile with an optimizer only), ``two`` (a second optimizer
-held by the model updates the last layer, as a GAN's; its log is not a metric), each variant named trained in turn
+held by the model updates the last layer, as a GAN's; its log is not a metric), ``in_dict`` (``two`` with that optimizer
+kept in a dict: refused under multiworker, printed as RESULT in_dict {"error": ...}), each variant named trained in turn
 in this process. Prints RESULT <variant> {"w": all weights, and the history}.
 
     python mw_custom_step.py first,lower,two multiworker|none
@@ -76,16 +77,34 @@ class TwoOptimizers(keras.Model):
         return {"step_loss": loss}  # no metric backs it: the workers' values are averaged
 
 
+class OptimizerInDict(keras.Model):
+    """``two`` with its second optimizer kept in a dict, where kerasdist cannot see it: refused."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.by_name = {"last": keras.optimizers.SGD(0.05)}
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        first, last = self.layers[1].trainable_weights, self.layers[2].trainable_weights
+        gradients = tape.gradient(loss, first + last)
+        self.optimizer.apply(gradients[:len(first)], first)
+        self.by_name["last"].apply(gradients[len(first):], last)
+        return {"step_loss": loss}
+
+
 def train(variant):
     keras.utils.set_random_seed(0)
     inputs = keras.Input(shape=(32,))
-    hidden = keras.layers.Dense(4, activation="tanh")(inputs) if variant == "two" else inputs
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs) if variant in ("two", "in_dict") else inputs
     outputs = keras.layers.Dense(1)(hidden)
     if variant == "first":
         model = CustomModel(inputs, outputs)
         model.compile(optimizer="sgd", loss="mse", metrics=["mae"], distribute=distribute)
-    elif variant == "two":
-        model = TwoOptimizers(inputs, outputs)
+    elif variant in ("two", "in_dict"):
+        model = (TwoOptimizers if variant == "two" else OptimizerInDict)(inputs, outputs)
         model.compile(optimizer="sgd", loss="mse", distribute=distribute)
     else:
         model = LowerLevel(inputs, outputs)
@@ -93,7 +112,11 @@ def train(variant):
     rng = np.random.default_rng(1)
     x = rng.random((1000, 32)).astype("float32")
     y = rng.random((1000, 1)).astype("float32")
-    h = model.fit(x, y, epochs=3, batch_size=64, shuffle=False, verbose=0)
+    try:
+        h = model.fit(x, y, epochs=3, batch_size=64, shuffle=False, verbose=0)
+    except kerasdist.KerasdistError as error:  # in_dict under multiworker: the variants after it still run
+        print(f"RESULT {variant} " + json.dumps({"error": str(error)}), flush=True)
+        return
     w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
     print(f"RESULT {variant} " + json.dumps({"w": w.tolist(), **h.history}), flush=True)
 

@@ -9,7 +9,7 @@ own ``compile``, random latent vectors drawn in the step; ``gan_data_noise``: th
 same in one process and in the ranks); ``first_bn`` is ``first`` with a
 BatchNormalization (``--sync-bn``: statistics over every rank). None of the steps calls ``scale_loss``.
 ``tracked_on_one_rank`` (``loss`` a metric's result on rank 0 only) and ``per_row_log`` (a per-row log: refused)
-check the all-reduce of a step's logs.
+check the all-reduce of a step's logs; ``optimizer_in_dict`` (an optimizer kerasdist cannot see: refused).
 Writes OUT/rank{r}.npz: the weights, each history key, each batch's logs (sorted keys), ``evaluate``.
 """
 
@@ -178,6 +178,23 @@ class PerRowLog(CustomModel):
         return dict(super().train_step(data), y_pred=self(data[0], training=False))
 
 
+class OptimizerInDict(CustomModel):
+    """Applies an optimizer kept in a dict (kerasdist finds only the model's optimizer attributes): refused."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.by_name = {"main": keras.optimizers.SGD(0.05)}
+
+    def train_step(self, data):
+        x, y = data
+        self.zero_grad()
+        loss = self.compute_loss(y=y, y_pred=self(x, training=True))
+        loss.backward()
+        with torch.no_grad():
+            self.by_name["main"].apply([v.value.grad for v in self.trainable_weights], self.trainable_weights)
+        return {"loss": loss.detach()}
+
+
 class GANDataNoise(GAN):
     """The GAN whose random draws come with the data (``fit(x=images, y=noise)``: per row, 4 + 4 latent
     values and a label noise for its fake and its real image), so that one process draws what the ranks draw."""
@@ -230,7 +247,8 @@ def main(args, distribute, batch_logs):
         model.compile(optimizer=sgd, distribute=distribute)
     else:
         cls = {"first": CustomModel, "first_bn": CustomModel, "sample_weight": WithSampleWeight,
-               "test_step": OwnTestStep, "per_row_log": PerRowLog}[args.guide]
+               "test_step": OwnTestStep, "per_row_log": PerRowLog,
+               "optimizer_in_dict": OptimizerInDict}[args.guide]
         model = _functional(cls, seed, bn=args.guide == "first_bn")
         model.compile(optimizer=sgd, loss="mse", metrics=["mae"], distribute=distribute)
         if args.guide == "sample_weight":
