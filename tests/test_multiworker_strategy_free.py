@@ -57,13 +57,15 @@ def test_custom_train_steps_equal_one_process_weights_and_logs():
     second optimizer the model holds, a log no metric backs), trained one after the other in one process: weights
     and every epoch's logs equal plain Keras on the global batch. Before: "None values not supported" (no
     compute_loss), each worker logging its own loss, a second optimizer's gradients never summed."""
-    launched, single = _both(CUSTOM_STEP, ("in_dict", *CUSTOM_VARIANTS))
+    launched, single = _both(CUSTOM_STEP, ("in_dict", "per_row", *CUSTOM_VARIANTS))
     for variant in CUSTOM_VARIANTS:
         for rank in (0, 1):
             _assert_same(launched[rank][variant], single[variant], f"{variant} rank {rank}")
     for rank in (0, 1):  # an optimizer kept in a dict applied each worker's own gradients, silently
         raised = str(launched[rank]["in_dict"]["error"])
         assert "dense_1/kernel" in raised and "self.d_optimizer" in raised, raised
+        raised = str(launched[rank]["per_row"]["error"])  # before: kept per worker, silently
+        assert "['y_pred']" in raised and "scalars" in raised, raised
 
 
 @pytest.mark.slow

@@ -215,12 +215,20 @@ def _kept_if_empty(model, rows):
 
 def _loose_logs(model, logs):
     """A custom step's float scalar logs that no metric of the model backs (averaged over the workers, as
-    MultiWorkerMirroredStrategy's reduction did, so callbacks see the same value on every worker)."""
+    MultiWorkerMirroredStrategy's reduction did, so callbacks see the same value on every worker); a non-scalar
+    float log is refused."""
     if not isinstance(logs, dict):
         return []
     names = {m.name for m in model.metrics}
-    return [k for k, v in logs.items() if k not in names and hasattr(v, "dtype") and len(getattr(v, "shape", ())) == 0
-            and keras.backend.is_float_dtype(keras.backend.standardize_dtype(v.dtype))]
+    floats = [k for k, v in logs.items() if k not in names and hasattr(v, "dtype")
+              and keras.backend.is_float_dtype(keras.backend.standardize_dtype(v.dtype))]
+    per_row = [k for k in floats if len(getattr(logs[k], "shape", ())) != 0]
+    if per_row:  # each worker holds its share's rows: refused, as on torch (the same on every worker, when traced)
+        raise KerasdistError(
+            f"distribute='multiworker' (strategy-free): the custom step returned the non-scalar float log(s) {per_row};"
+            " each worker holds only its share of the batch's rows, so they cannot be the global batch's. Return "
+            "scalars (a mean: keras.ops.mean(...)) or a metric's result (update a keras.metrics.Metric with them).")
+    return floats
 
 
 def _rows_of(data):

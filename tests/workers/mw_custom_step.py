@@ -2,7 +2,8 @@
 one word: ``first`` (its first CustomModel: compute_loss, optimizer.apply, every metric updated by hand), ``lower``
 (its lower-level one: own loss function and trackers, compile with an optimizer only), ``two`` (a second optimizer
 held by the model updates the last layer, as a GAN's; its log is not a metric), ``in_dict`` (``two`` with that optimizer
-kept in a dict: refused under multiworker, printed as RESULT in_dict {"error": ...}), each variant named trained in turn
+kept in a dict) and ``per_row`` (``first`` logging its per-row predictions): refused under multiworker, printed as
+RESULT <variant> {"error": ...}; each variant named trained in turn
 in this process. Prints RESULT <variant> {"w": all weights, and the history}.
 
     python mw_custom_step.py first,lower,two multiworker|none
@@ -95,13 +96,22 @@ class OptimizerInDict(keras.Model):
         return {"step_loss": loss}
 
 
+class PerRowLog(CustomModel):
+    """Returns its predictions (one per row of this worker's share) as a log: refused under multiworker."""
+
+    def train_step(self, data):
+        return dict(super().train_step(data), y_pred=self(data[0], training=False))
+
+
 def train(variant):
+    if variant == "per_row" and distribute is None:  # only its refusal is checked
+        return
     keras.utils.set_random_seed(0)
     inputs = keras.Input(shape=(32,))
     hidden = keras.layers.Dense(4, activation="tanh")(inputs) if variant in ("two", "in_dict") else inputs
     outputs = keras.layers.Dense(1)(hidden)
-    if variant == "first":
-        model = CustomModel(inputs, outputs)
+    if variant in ("first", "per_row"):
+        model = (CustomModel if variant == "first" else PerRowLog)(inputs, outputs)
         model.compile(optimizer="sgd", loss="mse", metrics=["mae"], distribute=distribute)
     elif variant in ("two", "in_dict"):
         model = (TwoOptimizers if variant == "two" else OptimizerInDict)(inputs, outputs)
@@ -114,7 +124,7 @@ def train(variant):
     y = rng.random((1000, 1)).astype("float32")
     try:
         h = model.fit(x, y, epochs=3, batch_size=64, shuffle=False, verbose=0)
-    except kerasdist.KerasdistError as error:  # in_dict under multiworker: the variants after it still run
+    except kerasdist.KerasdistError as error:  # in_dict, per_row under multiworker: the variants after still run
         print(f"RESULT {variant} " + json.dumps({"error": str(error)}), flush=True)
         return
     w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
