@@ -37,3 +37,21 @@ def pytest_sessionfinish(session, exitstatus):
         root = getattr(sys.modules.get(name), "BACKUP_ROOT", None)
         if root:
             shutil.rmtree(root, ignore_errors=True)
+
+
+_LEGACY_KERAS_AT_START = os.environ.get("TF_USE_LEGACY_KERAS")
+
+
+@pytest.fixture(autouse=True)
+def keras_3_stays_tf_keras():
+    """A test must not leave TF_USE_LEGACY_KERAS set in this process (importing tensorflow_model_optimization
+    or Ray's TensorFlow worker set-up do): every later test in the same pytest worker would get Keras 2 as tf.keras."""
+    yield
+    leaked = os.environ.get("TF_USE_LEGACY_KERAS")
+    if leaked != _LEGACY_KERAS_AT_START:
+        if _LEGACY_KERAS_AT_START is None:
+            os.environ.pop("TF_USE_LEGACY_KERAS", None)
+        else:
+            os.environ["TF_USE_LEGACY_KERAS"] = _LEGACY_KERAS_AT_START
+        pytest.fail(f"this test left TF_USE_LEGACY_KERAS={leaked!r} in the test process: later tests would get "
+                    "Keras 2 as tf.keras (import tensorflow_model_optimization only in a child process)")

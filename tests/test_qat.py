@@ -6,6 +6,7 @@ to Keras 2.
 """
 
 import collections
+import importlib.util
 import os
 import subprocess
 import sys
@@ -181,7 +182,10 @@ def _oracle_inputs():
 
 @pytest.mark.slow
 def test_fake_quantized_outputs_and_range_updates_equal_tfmot(tmp_path):
-    pytest.importorskip("tensorflow_model_optimization")
+    # find_spec, not importorskip: importing TFMOT sets TF_USE_LEGACY_KERAS=1 for the rest of this process
+    # (tf.keras would be Keras 2 in every later test of this pytest worker); the oracle imports it in a child.
+    if importlib.util.find_spec("tensorflow_model_optimization") is None:
+        pytest.skip("needs tensorflow-model-optimization (the oracle)")
     data = _oracle_inputs()
     np.savez(tmp_path / "in.npz", **data)
     environ = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
