@@ -232,13 +232,20 @@ def test_sigkilled_worker_job_ends_then_resumes_from_the_backup(tmp_path, two_ra
 
 # -- bad input -------------------------------------------------------------------------------------
 
+def _raised_in_every_rank(two_ranks, case):
+    """The error text case ``case`` of the shared launch wrote in each rank (both must have written one)."""
+    out, output, _ = two_ranks
+    texts = []
+    for rank in (0, 1):
+        path = os.path.join(out, f"{case}.error-rank{rank}.txt")
+        assert os.path.exists(path), output[-3000:]
+        texts.append(open(path).read())
+    return texts
+
+
 def test_a_loss_summed_over_rows_is_refused_at_compile_in_every_rank(two_ranks):
     """reduction="sum" trained 3.7e-2 off one process (each rank's gradient was weighted as a mean's), silently."""
-    out, output, _ = two_ranks
-    for rank in (0, 1):
-        path = os.path.join(out, f"sum_loss.error-rank{rank}.txt")
-        assert os.path.exists(path), output[-3000:]
-        raised = open(path).read()
+    for raised in _raised_in_every_rank(two_ranks, "sum_loss"):
         assert raised.startswith("KerasdistError") and "reduction 'sum'" in raised, raised
         assert "sum_over_batch_size" in raised and "scale the learning rate" in raised, raised
 
@@ -252,21 +259,13 @@ def test_custom_steps_logs_reduce_alike_in_every_rank_and_per_row_logs_are_refus
         np.testing.assert_array_equal(first[key], second[key], err_msg=key)
     assert np.all(np.isinf(first["history_overflow"])), first["history_overflow"]
     assert np.all(np.isfinite(first["history_batch_loss"])) and np.all(np.isfinite(first["history_loss"]))
-    out, output, _ = two_ranks
-    for rank in (0, 1):
-        path = os.path.join(out, f"per_row_log.error-rank{rank}.txt")
-        assert os.path.exists(path), output[-3000:]
-        raised = open(path).read()
+    for raised in _raised_in_every_rank(two_ranks, "per_row_log"):
         assert raised.startswith("KerasdistError") and "['y_pred']" in raised and "scalars" in raised, raised
 
 
 def test_custom_steps_optimizer_kerasdist_cannot_see_is_refused_at_the_first_step_in_every_rank(two_ranks):
     """An optimizer kept in a dict applied each rank's own gradients: the ranks drifted apart, silently."""
-    out, output, _ = two_ranks
-    for rank in (0, 1):
-        path = os.path.join(out, f"optimizer_in_dict.error-rank{rank}.txt")
-        assert os.path.exists(path), output[-3000:]
-        raised = open(path).read()
+    for raised in _raised_in_every_rank(two_ranks, "optimizer_in_dict"):
         assert raised.startswith("KerasdistError") and "/kernel" in raised and "self.d_optimizer" in raised, raised
 
 
