@@ -265,11 +265,16 @@ def test_an_unchecked_keras_is_named_at_import(tmp_path):
 
     assert keras_version_checked("3.15.1") and keras_version_checked("3.15")
     assert not keras_version_checked("3.16.0") and not keras_version_checked("3.1.5")
-    # a stand-in keras 3.16 distribution first on the path: the warning names it and the checked range
+    # a stand-in keras 3.16 first on the path, its package beside its metadata (the keras `import keras` would load,
+    # never imported: `import kerasdist` reads metadata only): the warning names it and the checked range. Metadata
+    # alone would not do: beside a keras-nightly (checked) the version of the keras actually imported is the one named
     info = tmp_path / "keras-3.16.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: keras\nVersion: 3.16.0\n")
-    out = run(python("-c", "import kerasdist"), timeout=60, env=child_env(PYTHONPATH=str(tmp_path))).stdout
+    (tmp_path / "keras").mkdir()
+    (tmp_path / "keras" / "__init__.py").write_text("raise ImportError('a stand-in: never imported')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))  # before a nightly's
+    out = run(python("-c", "import kerasdist"), timeout=60, env=child_env(PYTHONPATH=path)).stdout
     assert "Keras 3.16.0 is installed" in out and "keras>=3.15,<3.16" in out
 
 
