@@ -12,20 +12,21 @@ the contract.
 import math
 import numbers
 import socket
-import sys
 
 from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, all_layers,
                                assign_state_from_first_replica, bind_model, disable_per_channel_quantization,
                                update_loss_scale_once_per_step,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
-                               is_multiworker_strategy, keras_array_batches, tf_global_seed,
+                               is_multiworker_strategy, tf_global_seed,
                                lay_out_variables, make_chief_aware_backup,
                                move_to_strategy, parameter_server_strategy, refresh_call_signature,
                                route_gradient_all_reduce, state_unlocked,
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
                                variable_layout, weight_replicas_by_batch_share)
 from . import process_state
+from .batch_split import (arrays_as_dataset, as_arrays, input_kind, is_dataset, seed_shuffling_samplers,
+                          split_batches, split_validation)
 import kerasdist.private_backups as private_backups  # not "from . import": kerasdist.__getattr__ looks up plugins
 from ._keras_internals.torch import compiled_metrics, keras_wraps_ddp, synchronize_torch_batch_norm
 from ._keras_internals.training import keras_step_order_is_known, mean_state
@@ -43,7 +44,8 @@ __all__ = [
     # values and the environment
     "check_number", "check_choice", "number_from_env", "split_address", "port_is_free", "unreachable",
     "slurm_step_tasks",
-    "is_dataset", "arrays_as_dataset", "split_batches", "unique_variables", "local_replica_devices",
+    "is_dataset", "arrays_as_dataset", "as_arrays", "split_batches", "split_validation", "seed_shuffling_samplers",
+    "input_kind", "unique_variables", "local_replica_devices",
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # process-wide state (one home, one reset): process_state.slot / on_reset / reset
     "process_state",
@@ -165,155 +167,6 @@ def unreachable(addresses, timeout=1.0):
         except (OSError, KerasdistError) as exc:
             down[address] = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
     return down
-
-
-def is_dataset(value):
-    """True for a ``tf.data.Dataset`` (imports nothing: no TensorFlow loaded means no dataset)."""
-    tf = sys.modules.get("tensorflow")
-    data = getattr(tf, "data", None) if tf is not None else None
-    return data is not None and isinstance(value, data.Dataset)
-
-
-def arrays_as_dataset(call_kwargs, seed=None, method="fit", keras_order=False):
-    """Feed a ``fit``/``evaluate`` call's in-memory arrays as one batched ``tf.data.Dataset``.
-
-    ``call_kwargs`` (the call's keyword arguments) is changed in place when ``x``, ``y`` and
-    ``sample_weight`` are numpy arrays (or lists, tuples, dicts of them): ``validation_split`` is
-    cut off first as Keras does (the last samples, before shuffling), the rest is shuffled with
-    ``seed`` every epoch (None: kept in order) and batched by ``batch_size`` (default 32). The same
-    seed gives every worker the same order, where Keras's own shuffle is unseeded. Returns whether
-    it replaced the arrays. ``method`` is the Keras method called ("fit" or "evaluate"). ``keras_order``
-    (with ``seed``): shuffled by Keras's own pipeline instead, whose permutation follows TensorFlow's global
-    seed: processes that all called ``keras.utils.set_random_seed(s)`` draw one process's order.
-    """
-    import numpy as np
-
-    x = call_kwargs.get("x")
-    if not _all_arrays(x) or not _all_arrays(call_kwargs.get("y"), allow_none=True) \
-            or not _all_arrays(call_kwargs.get("sample_weight"), allow_none=True):
-        return False
-    import keras
-    import tensorflow as tf
-
-    parts = [p for p in (x, call_kwargs.get("y"), call_kwargs.get("sample_weight")) if p is not None]
-    split = float(call_kwargs.get("validation_split") or 0.0)
-    if split and call_kwargs.get("validation_data") is None:
-        at = int(np.floor(len(_first_array(x)) * (1.0 - split)))
-        call_kwargs["validation_data"] = tuple(_slice(p, at, None) for p in parts)
-        parts = [_slice(p, 0, at) for p in parts]
-    batch_size = call_kwargs.get("batch_size") or 32
-    if keras_order and seed is not None:
-        named = dict(zip((n for n in ("x", "y", "sample_weight") if call_kwargs.get(n) is not None), parts))
-        batches = keras_array_batches(named["x"], named.get("y"), named.get("sample_weight"), batch_size,
-                                      call_kwargs.get("shuffle", True))
-    else:  # tf.data reads a Python list as one tensor: lists of arrays (multi-input/output) must be tuples.
-        dataset = tf.data.Dataset.from_tensor_slices(tuple(keras.tree.lists_to_tuples(p) for p in parts))
-        if seed is not None:
-            dataset = dataset.shuffle(len(_first_array(parts[0])), seed=seed, reshuffle_each_iteration=True)
-        batches = dataset.batch(batch_size)
-    call_kwargs.update(x=batches, y=None, sample_weight=None, batch_size=None)
-    if method == "fit":
-        call_kwargs.update(shuffle=False, validation_split=0.0)
-    return True
-
-
-def split_batches(dataset, rank, size):
-    """Rank ``rank``'s part of every batch of ``dataset`` (a ``tf.data.Dataset``, a ``keras.utils.PyDataset`` or a
-    generator of batches): rows ``[n*rank//size, n*(rank+1)//size)`` of a batch of ``n``. Each batch is split
-    into ``size`` parts of sizes differing by at most one, so every rank runs one step per batch and the ranks'
-    steps together cover the whole batch (every rank must see the same batches in the same order)."""
-    if is_dataset(dataset):
-        import tensorflow as tf
-
-        def part(*element):
-            structure = element[0] if len(element) == 1 else element
-            rows = tf.shape(tf.nest.flatten(structure)[0], out_type=tf.int64)[0]
-            start, stop = rows * rank // size, rows * (rank + 1) // size
-            return tf.nest.map_structure(lambda t: _rows(t, start, stop), structure)
-
-        return dataset.map(part)
-    import keras
-
-    def rows_of(batch):
-        first = next(leaf for leaf in keras.tree.flatten(batch) if leaf is not None)
-        rows = int(first.shape[0])
-        start, stop = rows * rank // size, rows * (rank + 1) // size
-        return keras.tree.map_structure(lambda t: None if t is None else _rows(t, start, stop), batch)
-
-    if isinstance(dataset, keras.utils.PyDataset):
-        return _part_of_each_batch(dataset, rows_of)
-    return (rows_of(batch) for batch in dataset)
-
-
-def _rows(tensor, start, stop):
-    """Rows ``[start, stop)`` of an array or a dense, ragged or sparse tensor."""
-    if type(tensor).__name__ != "SparseTensor":  # TensorFlow is imported only for what it made
-        return tensor[start:stop]
-    import tensorflow as tf
-
-    rest = tensor.dense_shape[1:]
-    start, stop = tf.cast(start, tf.int64), tf.cast(stop, tf.int64)
-    part = tf.sparse.slice(tensor, tf.concat([[start], tf.zeros_like(rest)], 0), tf.concat([[stop - start], rest], 0))
-    if tensor.shape.rank is not None:  # tf.sparse.slice forgets the static shape past the rows
-        part.set_shape([None] + tensor.shape[1:].as_list())
-    return part
-
-
-def _part_of_each_batch(dataset, part):
-    import keras
-
-    class PartOfEachBatch(keras.utils.PyDataset):
-        def __init__(self):
-            super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
-                             max_queue_size=dataset.max_queue_size)
-
-        def __len__(self):
-            return len(dataset)
-
-        @property
-        def num_batches(self):
-            return dataset.num_batches
-
-        def __getitem__(self, index):
-            return part(dataset[index])
-
-        def on_epoch_begin(self):
-            dataset.on_epoch_begin()
-
-        def on_epoch_end(self):
-            dataset.on_epoch_end()
-
-    return PartOfEachBatch()
-
-
-def _all_arrays(value, allow_none=False):
-    import numpy as np
-
-    if value is None:
-        return allow_none
-    if isinstance(value, np.ndarray):
-        return True
-    if isinstance(value, (list, tuple)) and value:
-        return all(isinstance(v, np.ndarray) for v in value)
-    if isinstance(value, dict) and value:
-        return all(isinstance(v, np.ndarray) for v in value.values())
-    return False
-
-
-def _first_array(value):
-    if isinstance(value, dict):
-        return next(iter(value.values()))
-    if isinstance(value, (list, tuple)):
-        return value[0]
-    return value
-
-
-def _slice(value, start, stop):
-    if isinstance(value, dict):
-        return {k: v[start:stop] for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(v[start:stop] for v in value)
-    return value[start:stop]
 
 
 def may_split_unevenly(call_kwargs, replicas):

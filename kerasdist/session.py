@@ -4,11 +4,11 @@ import contextlib
 import inspect
 import sys
 import threading
-import types
 
 from . import _keras_internals as internals
 from . import process_state
 from ._keras_internals.collectives import keep_collectives_apart
+from .batch_split import input_kind
 from .errors import KerasdistError, PluginValidationError, StrategyConflictError
 from .manager import get_system
 from .resolve import is_tf_strategy, resolve_plan
@@ -176,22 +176,6 @@ class Session:
                 if kind is None:
                     break
         return value
-
-
-def input_kind(value):
-    """The ``kind`` ``kerasdist_prepare_dataset`` is called with for ``value``: "tf.data", "py_dataset",
-    "generator" or "torch_dataloader"; None for anything else (in-memory arrays). Imports nothing."""
-    if _is_dataset(value):
-        return "tf.data"
-    if isinstance(value, types.GeneratorType):
-        return "generator"
-    keras, torch = sys.modules.get("keras"), sys.modules.get("torch")
-    if keras is not None and isinstance(value, keras.utils.PyDataset):
-        return "py_dataset"
-    data = getattr(getattr(torch, "utils", None), "data", None)
-    if data is not None and isinstance(value, data.DataLoader):
-        return "torch_dataloader"
-    return None
 
 
 def _check_not_empty(method, x):

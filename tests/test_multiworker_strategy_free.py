@@ -47,7 +47,9 @@ def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path,
 
 CUSTOM_VARIANTS = ("first", "lower", "two")
 INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share", "sparse_dataset",
-               "shuffled_dataset", "py_dataset_threaded", "arrays_shuffled", "transfer", "added_losses")
+               "shuffled_dataset", "py_dataset_threaded", "arrays_shuffled", "transfer", "added_losses",
+               "validation_py_dataset", "validation_generator", "data_loader", "data_loader_shuffled", "tensors",
+               "dict_inputs", "sparse_arrays")
 
 
 @pytest.mark.slow
@@ -79,7 +81,12 @@ def test_other_inputs_and_losses_equal_one_process():
     shifted the first two, its pipeline made 256 elements for 192; the arrays took kerasdist's own seeded order);
     keras.io's transfer-learning flow (freeze, compile, fit, unfreeze, compile, fit) moves the base as one process
     does; add_loss of a mean and of a Loss, and a kernel regularizer, as one process (docs/equivalence.md).
-    One process trains them in turn."""
+    Issue 29 item 4: a PyDataset or a generator as validation_data (before: unpacked as (x, y, sample_weight), a
+    ValueError at the first validation step), torch DataLoaders, tensors (torch x, tf.Tensor y, JAX
+    sample_weight), dict inputs of a tensor and an array with class_weight, an in-memory SparseTensor with scipy
+    sparse validation data (before: never split, every worker trained every row: the summed ``rows`` metric
+    counted each twice), a shuffling DataLoader (before: each worker its own order). One process trains them in
+    turn."""
     launched, single = _both(INPUTS, INPUT_CASES)
     for case in INPUT_CASES:
         for rank in (0, 1):
@@ -308,7 +315,7 @@ def test_split_batches_cuts_sparse_rows_keeping_their_static_shape():
 def test_workers_seeds_differing_only_below_float64_precision_are_not_the_same_seed():
     """Seeds were compared as float64 sums: 2**60 and 2**60 + 1 counted as one seed, and the workers shuffled
     arrays in different orders, silently. Checked without processes: the pieces two workers send, summed."""
-    from kerasdist_plugins.multiworker.strategy_free import _same_everywhere, _seed_pieces
+    from kerasdist_plugins.multiworker.inputs import _same_everywhere, _seed_pieces
 
     def same(*seeds):
         pieces = [_seed_pieces(s) for s in seeds]
@@ -319,3 +326,99 @@ def test_workers_seeds_differing_only_below_float64_precision_are_not_the_same_s
         assert not same(seed, seed + 1) and not same(seed + 1, seed)
     assert not same(2 ** 60, 2 ** 60 + 2 ** 20, 2 ** 60 + 2 ** 21)
     assert not same(None, None) and not same(7, None)
+
+
+class _TwoRanks:
+    """A stand-in for the ring where no message is sent: rank 0 of 2."""
+    rank, size = 0, 2
+
+
+@pytest.mark.parametrize("case", ["python-numbers", "unknown-object", "jax-sparse", "validation-object",
+                                  "validation-four-parts"])
+def test_an_input_multiworker_cannot_split_is_refused_naming_it(case):
+    """Issue 29 item 4: an input that is neither in-memory arrays nor batches kerasdist splits was left to Keras in
+    every worker (each trained all of it, or, a grain dataset, a DistributedDataset); now one KerasdistError names
+    the argument and its type, and what can be split."""
+    import kerasdist
+    from kerasdist_plugins.multiworker.inputs import split_call_data
+
+    def jax_sparse():
+        import jax.experimental.sparse
+        import jax.numpy as jnp
+
+        return jax.experimental.sparse.BCOO.fromdense(jnp.eye(8))
+
+    arrays = np.ones((8, 2), "float32")
+    call = {"python-numbers": dict(x=[1.0, 2.0, 3.0]), "unknown-object": dict(x=object()),
+            "jax-sparse": dict(x=jax_sparse() if case == "jax-sparse" else None, y=arrays),
+            "validation-object": dict(x=arrays, y=arrays, validation_data=object()),
+            "validation-four-parts": dict(x=arrays, y=arrays, validation_data=(arrays,) * 4)}[case]
+    with pytest.raises(kerasdist.KerasdistError) as info:
+        split_call_data(dict(call, batch_size=4, shuffle=False), _TwoRanks(), "fit", None)
+    message = str(info.value)
+    words = {"python-numbers": ["fit's x (list holding float)", "cannot be split", "KERASDIST_STRATEGY_FREE=off"],
+             "unknown-object": ["fit's x (object)", "torch DataLoader"], "jax-sparse": ["BCOO", "tf.SparseTensor"],
+             "validation-object": ["validation_data (object)", "(x, y[, sample_weight])"],
+             "validation-four-parts": ["validation_data (tuple holding ndarray)"]}[case]
+    assert all(word in message for word in words), message
+
+
+def test_tensors_and_nested_inputs_become_arrays_and_ragged_rows_split():
+    """Issue 29 item 2: dense tensors of every framework (and pandas) are arrays, nested structures too; a
+    RaggedTensor's rows split like a dense one's."""
+    import pandas
+    import tensorflow as tf
+    import torch
+
+    from kerasdist.plugin_tools import arrays_as_dataset, as_arrays, split_batches
+
+    values = np.arange(6, dtype="float32").reshape(3, 2)
+    nested = as_arrays({"a": [torch.tensor(values, requires_grad=True), tf.Variable(values)],
+                        "b": pandas.DataFrame(values)})
+    for leaf in (nested["a"][0], nested["a"][1], nested["b"]):
+        assert isinstance(leaf, np.ndarray)
+        np.testing.assert_array_equal(leaf, values)
+    assert as_arrays([1.0, 2.0]) is None and as_arrays([values, None]) is None and as_arrays({}) is None
+    ragged = tf.ragged.constant([[1.0], [2.0, 3.0], [4.0], [5.0, 6.0, 7.0]])
+    kwargs = dict(x=ragged, y=tf.constant([1.0, 2.0, 3.0, 4.0]), batch_size=4)
+    assert arrays_as_dataset(kwargs, method="evaluate")
+    parts = [list(split_batches(kwargs["x"], rank, 2))[0] for rank in (0, 1)]
+    assert [p[0].to_list() for p in parts] == [[[1.0], [2.0, 3.0]], [[4.0], [5.0, 6.0, 7.0]]]
+    assert [p[1].numpy().tolist() for p in parts] == [[1.0, 2.0], [3.0, 4.0]]
+
+
+def test_a_data_loaders_batches_split_keeping_its_sampler_and_worker_processes():
+    """Issue 29 item 3: each rank's part of a torch DataLoader is a DataLoader over the same batch sampler and
+    worker settings whose collate keeps its rows; a shuffling sampler is seeded alike on every rank (the ranks'
+    parts together are the batches of one loader whose sampler has that generator); iterable datasets and
+    batch_size=None."""
+    import torch
+
+    from kerasdist.plugin_tools import seed_shuffling_samplers, split_batches
+
+    data = torch.utils.data.TensorDataset(torch.arange(10.0), torch.arange(10.0) * 10)
+
+    def loader(**kwargs):
+        return torch.utils.data.DataLoader(data, batch_size=4, **kwargs)
+
+    with_workers = loader(num_workers=2, persistent_workers=True)
+    part = split_batches(with_workers, 1, 2)
+    assert part.num_workers == 2 and part.persistent_workers and part.batch_sampler is with_workers.batch_sampler
+    parts = []
+    for rank in (0, 1):
+        shuffled = loader(shuffle=True)
+        assert seed_shuffling_samplers(shuffled, 7) and not seed_shuffling_samplers(shuffled, 8)
+        parts.append([x.tolist() for x, _ in split_batches(shuffled, rank, 2)])
+    one = loader(shuffle=True)
+    one.sampler.generator = torch.Generator().manual_seed(7)
+    whole = [x.tolist() for x, _ in one]
+    assert [a + b for a, b in zip(*parts)] == whole and len(whole) == 3
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    stream = torch.utils.data.DataLoader(Stream(), batch_size=4)
+    assert [b.tolist() for b in split_batches(stream, 1, 2)] == [[2, 3], [4]]
+    batches = torch.utils.data.DataLoader([torch.arange(4)], batch_size=None)
+    assert [b.tolist() for b in split_batches(batches, 0, 2)] == [[0, 1]]

@@ -9,7 +9,7 @@ import math
 import warnings
 
 import kerasdist
-from kerasdist.plugin_tools import arrays_as_dataset, is_dataset, split_batches
+from kerasdist.plugin_tools import arrays_as_dataset, input_kind, is_dataset, split_batches, split_validation
 
 
 def shard_dataset(dataset, rank, size, what="fit"):
@@ -84,16 +84,14 @@ def split_call_data(call_kwargs, rank, size, method, seed):
         call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
     elif x is not None:
         _not_split_warning(method, x)
-    validation = call_kwargs.get("validation_data") if method == "fit" else None
-    if validation is not None and not is_dataset(validation):  # datasets: kerasdist_prepare_dataset
-        parts = dict(zip(("x", "y", "sample_weight"), validation))
-        parts["batch_size"] = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size")
-        if arrays_as_dataset(parts, method="evaluate"):
-            call_kwargs["validation_data"] = split_batches(parts["x"], rank, size)
+    if method == "fit":  # datasets: kerasdist_prepare_dataset; in-memory (x, y[, sample_weight]) here
+        split_validation(call_kwargs, rank, size)
 
 
 def shard_call_data(call_kwargs, rank, size, method):
     """Horovod's semantics (``batch_size_per_worker=True``): whole batches of ``batch_size`` per rank."""
+    import keras
+
     batch_size = call_kwargs.get("batch_size") or 32
     x = call_kwargs.get("x")
     if x is not None and not is_dataset(x):
@@ -104,9 +102,9 @@ def shard_call_data(call_kwargs, rank, size, method):
         else:
             call_kwargs.update({k: v for k, v in sharded.items() if k in call_kwargs or v is not None})
     validation = call_kwargs.get("validation_data") if method == "fit" else None
-    if validation is not None and not is_dataset(validation):  # datasets: kerasdist_prepare_dataset
-        sharded = shard_arrays(tuple(validation), call_kwargs.get("validation_batch_size") or batch_size,
-                               rank, size, "validation")
+    if validation is not None and input_kind(validation) is None:  # datasets: kerasdist_prepare_dataset
+        sharded = shard_arrays(keras.utils.unpack_x_y_sample_weight(validation),
+                               call_kwargs.get("validation_batch_size") or batch_size, rank, size, "validation")
         if sharded is not None:
             call_kwargs["validation_data"] = sharded
 

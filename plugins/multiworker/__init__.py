@@ -209,9 +209,9 @@ def _refuse_xla_on_cpu_workers(compile_kwargs):
 @kerasdist.hookimpl
 def kerasdist_prepare_dataset(dataset, kind, method, strategy, spec):
     if isinstance(spec, MultiWorker) and _strategy_free(strategy) and method != "predict":
-        from . import strategy_free
+        from . import inputs
 
-        return strategy_free.split_dataset(dataset, kind, state.ring)
+        return inputs.split_dataset(dataset, kind, state.ring, spec.shuffle_seed)
     if not isinstance(spec, MultiWorker) or spec.shard_policy.lower() == "auto" or not is_dataset(dataset):
         return None
     import tensorflow as tf
@@ -248,13 +248,13 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
 
 
 def _adjust_strategy_free_call(method, call_kwargs, model, spec):
-    from . import strategy_free
+    from . import inputs, strategy_free
 
     ring = state.ring
     index = private_backups.count_fit() if method == "fit" else None
     if method in ("fit", "evaluate"):
         strategy_free.install(model, ring)
-        strategy_free.split_call_data(call_kwargs, ring, method, spec.shuffle_seed + index if method == "fit" else None)
+        inputs.split_call_data(call_kwargs, ring, method, spec.shuffle_seed + index if method == "fit" else None)
     _chief_writes(method, call_kwargs, model, spec, state.strategy, index)
     strategy_free.broadcast_before(method, model, ring, call_kwargs)  # fit: after the backup's restore
 

@@ -16,9 +16,8 @@ import weakref
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import (arrays_as_dataset, is_dataset, keras_step_order_is_known, mean_state,
-                                    note_applied, optimizers_held_by, split_batches, start_first_step_check,
-                                    tf_global_seed, unique_variables, unsummed_after_first_step,
+from kerasdist.plugin_tools import (keras_step_order_is_known, mean_state, note_applied, optimizers_held_by,
+                                    start_first_step_check, unique_variables, unsummed_after_first_step,
                                     unsummed_updates_error)
 
 from .options import STRATEGY_FREE_VAR
@@ -302,90 +301,3 @@ def broadcast_state(model, ring):
         sent = [(a if ring.rank == 0 else np.zeros_like(a)).astype(wire) for a in values]
         for v, total in zip(group, ring.sum_arrays(*sent)):
             v.assign(total.astype(dtype))
-
-
-def split_call_data(call_kwargs, ring, method, seed):
-    """``batch_size`` is the global batch: arrays become a dataset shuffled alike on every worker (as one process's
-    ``fit`` shuffles them when every worker set the same global seed), and each worker takes its part of every batch
-    (datasets: ``split_dataset`` already did)."""
-    rank, size = ring.rank, ring.size
-    x = call_kwargs.get("x")
-    shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
-    if shuffle is not None and isinstance(x, keras.utils.PyDataset):  # Keras's own shuffle differs per worker
-        call_kwargs.update(x=_in_shared_order(x, shuffle), shuffle=False)
-    validation_batch = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size")
-    keras_order = shuffle is not None and not is_dataset(x) and _same_global_seed(ring)
-    if not is_dataset(x) and arrays_as_dataset(call_kwargs, shuffle, method, keras_order=keras_order):
-        call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
-    validation = call_kwargs.get("validation_data") if method == "fit" else None
-    if validation is not None and not is_dataset(validation):
-        parts = dict(zip(("x", "y", "sample_weight"), validation), batch_size=validation_batch)
-        if arrays_as_dataset(parts, method="evaluate"):
-            call_kwargs["validation_data"] = split_batches(parts["x"], rank, size)
-
-
-def _same_global_seed(ring):
-    """Whether every worker has one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
-    then each draws one process's shuffle of arrays; else (unset, or seeds differing) the workers share
-    ``shuffle_seed``'s order. One small ring message; every worker asks at the same call."""
-    seed = tf_global_seed()
-    mine = _seed_pieces(seed)
-    total, squares = ring.sum_arrays(mine, mine ** 2)
-    return seed is not None and _same_everywhere(mine, total, squares, ring.size)
-
-
-def _seed_pieces(seed):
-    """``seed`` (TensorFlow's: an int64) as four 16-bit pieces of its 64 bits, in float64: their sums and sums of
-    squares over the workers are exact (a seed as one float64 loses the bits below 2**53); NaN for no seed."""
-    import numpy as np
-
-    if seed is None:
-        return np.full(4, np.nan)
-    bits = int(seed) % 2 ** 64
-    return np.array([(bits >> shift) & 0xFFFF for shift in (0, 16, 32, 48)], dtype=np.float64)
-
-
-def _same_everywhere(mine, total, squares, size):
-    """Whether every worker sent ``mine``: sum x_i = n m and sum x_i^2 = n m^2 give sum (x_i - m)^2 = 0."""
-    import numpy as np
-
-    return bool(np.all(total == mine * size) and np.all(squares == mine ** 2 * size))
-
-
-def _in_shared_order(dataset, seed):
-    """``dataset``'s batches in an order shuffled each epoch from ``seed``: the same on every worker."""
-    import numpy as np
-
-    class SharedOrder(keras.utils.PyDataset):
-        def __init__(self):
-            super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
-                             max_queue_size=dataset.max_queue_size)
-            self.epoch = 0
-            self.order = np.random.default_rng([seed, 0]).permutation(len(dataset))
-
-        def __len__(self):
-            return len(dataset)
-
-        def __getitem__(self, index):
-            return dataset[int(self.order[index])]
-
-        def on_epoch_end(self):
-            dataset.on_epoch_end()
-            self.epoch += 1
-            self.order = np.random.default_rng([seed, self.epoch]).permutation(len(dataset))
-
-    return SharedOrder()
-
-
-def split_dataset(dataset, kind, ring):
-    """This worker's part of every batch of a ``tf.data.Dataset``, ``keras.utils.PyDataset`` or generator; None for
-    other inputs. A dataset is made deterministic: every worker must slice the same batch."""
-    if kind == "tf.data":
-        import tensorflow as tf
-
-        options = tf.data.Options()
-        options.deterministic = True
-        dataset = dataset.with_options(options)
-    elif kind not in ("py_dataset", "generator"):
-        return None
-    return split_batches(dataset, ring.rank, ring.size)

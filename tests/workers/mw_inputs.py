@@ -9,6 +9,12 @@ one worker's share is empty), ``shuffled_dataset`` (``ds.shuffle(n, seed)``, res
 elements its pipeline made), ``py_dataset_threaded`` (PyDataset(workers=4)), ``arrays_shuffled`` (numpy, fit's
 shuffle=True), ``transfer`` (keras.io's transfer learning flow: frozen base, compile, fit, unfreeze, compile, fit),
 ``added_losses`` (a kernel regularizer, and add_loss of a mean over rows and of a keras.losses.Loss),
+``validation_py_dataset`` / ``validation_generator`` (arrays, validation_data a PyDataset / an endless generator),
+``data_loader`` (torch DataLoaders as x and validation_data; ``data_loader_shuffled``: shuffle=True, one loader
+worker process; one process seeds its sampler as multiworker does, shuffle_seed 1337), ``tensors`` (x a torch
+tensor, y a tf.Tensor, sample_weight a JAX array, validation_split, shuffle), ``dict_inputs`` (a dict of a tf.Tensor
+and an array, class_weight, validation_data a list [dict, y]), ``sparse_arrays`` (x a tf.SparseTensor,
+validation_data a scipy sparse matrix),
 each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the history}.
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
@@ -37,6 +43,8 @@ class AddedLosses(keras.layers.Layer):
 def train(case):
     if case == "transfer":
         return transfer()
+    if case in INPUT_KINDS:
+        return other_kinds(case)
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(3)
     x = rng.random((65 if case == "empty_share" else 64, 5)).astype("float32")
@@ -93,6 +101,90 @@ def train(case):
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     w = np.concatenate([np.ravel(v) for v in model.get_weights()])
     print(f"RESULT {case} " + json.dumps({"w": w.tolist(), **history.history, **made}), flush=True)
+
+
+INPUT_KINDS = ("validation_py_dataset", "validation_generator", "data_loader", "data_loader_shuffled", "tensors",
+               "dict_inputs", "sparse_arrays")
+
+
+class Rows(keras.metrics.Metric):
+    """The rows the step saw (summed over the workers: one process's count only when each took its share)."""
+
+    def __init__(self, name="rows", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.cast(keras.ops.shape(y_pred)[0], "float32"))
+
+    def result(self):
+        return self.total
+
+
+def other_kinds(case):
+    """Issue 29 item 4: inputs Keras takes that multiworker once left unsplit (every worker trained all rows: the
+    ``rows`` metric counted them twice) or misread (a PyDataset as validation_data unpacked as (x, y, weights))."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(5)
+    x, y = rng.random((80, 5)).astype("float32"), rng.random((80, 1)).astype("float32")
+    if case == "sparse_arrays":
+        x = np.where(x > 0.6, x, 0.0).astype("float32")
+    x_val, y_val, x, y = x[64:], y[64:], x[:64], y[:64]
+    if case == "dict_inputs":
+        inputs = {"a": keras.Input((2,), name="a"), "b": keras.Input((3,), name="b")}
+        hidden = keras.layers.Dense(4, activation="tanh")(keras.layers.Concatenate()([inputs["a"], inputs["b"]]))
+        model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    else:
+        model = keras.Sequential([keras.Input((5,), sparse=case == "sparse_arrays"),
+                                  keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae", Rows()],
+                  distribute=None if word == "none" else word)
+    fit = dict(epochs=2, verbose=0, shuffle=False)
+    if case == "validation_py_dataset":
+        class Validation(keras.utils.PyDataset):
+            def __len__(self):
+                return 2
+
+            def __getitem__(self, index):
+                return x_val[index * 8:(index + 1) * 8], y_val[index * 8:(index + 1) * 8]
+
+        history = model.fit(x, y, batch_size=BATCH, validation_data=Validation(), **fit)
+    elif case == "validation_generator":
+        def validation():
+            while True:
+                yield from ((x_val[i:i + 8], y_val[i:i + 8]) for i in (0, 8))
+
+        history = model.fit(x, y, batch_size=BATCH, validation_data=validation(), validation_steps=2, **fit)
+    elif case.startswith("data_loader"):
+        import torch
+
+        def loader(a, b, shuffle=False, workers=0):
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(a), torch.tensor(b)),
+                                               batch_size=BATCH, shuffle=shuffle, num_workers=workers)
+
+        train = loader(x, y, shuffle=case == "data_loader_shuffled", workers=int(case == "data_loader_shuffled"))
+        if case == "data_loader_shuffled" and word == "none":  # the order multiworker gives every worker
+            train.sampler.generator = torch.Generator().manual_seed(1337)
+        history = model.fit(train, validation_data=loader(x_val, y_val), **fit)
+    elif case == "tensors":
+        import jax.numpy as jnp
+        import torch
+
+        history = model.fit(torch.tensor(x), tf.constant(y), sample_weight=jnp.asarray(np.linspace(0.5, 1.5, 64)),
+                            batch_size=BATCH, validation_split=0.25, epochs=2, verbose=0, shuffle=True)
+    elif case == "dict_inputs":
+        x_dict = {"a": tf.constant(x[:, :2]), "b": x[:, 2:]}
+        history = model.fit(x_dict, (y > 0.5).astype("float32"), batch_size=BATCH, class_weight={0: 1.0, 1: 3.0},
+                            validation_data=[{"a": x_val[:, :2], "b": tf.constant(x_val[:, 2:])}, y_val], **fit)
+    else:
+        import scipy.sparse
+
+        history = model.fit(tf.sparse.from_dense(x), y, batch_size=BATCH,
+                            validation_data=(scipy.sparse.csr_matrix(x_val), y_val), **fit)
+    w = np.concatenate([np.ravel(v) for v in model.get_weights()])
+    print(f"RESULT {case} " + json.dumps({"w": w.tolist(), **history.history}), flush=True)
 
 
 def transfer():

@@ -1,0 +1,110 @@
+"""Strategy-free multiworker input: every worker takes its rows of each global batch (``batch_size`` is the
+global batch, as under the strategy), from batches every worker reads alike; an input it cannot split is refused."""
+
+import keras
+
+from kerasdist import KerasdistError
+from kerasdist.plugin_tools import (arrays_as_dataset, input_kind, seed_shuffling_samplers, split_batches,
+                                    split_validation, tf_global_seed)
+
+
+def split_call_data(call_kwargs, ring, method, seed):
+    """``batch_size`` is the global batch: in-memory arrays (tensors too) become a dataset shuffled alike on every
+    worker (as one process's ``fit`` shuffles them when every worker set the same global seed), and each worker
+    takes its part of every batch (datasets, PyDatasets, generators, DataLoaders: ``split_dataset`` already did).
+    Any other input is refused: every worker would train on all of it."""
+    rank, size = ring.rank, ring.size
+    x = call_kwargs.get("x")
+    shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
+    if shuffle is not None and isinstance(x, keras.utils.PyDataset):  # Keras's own shuffle differs per worker
+        call_kwargs.update(x=_in_shared_order(x, shuffle), shuffle=False)
+    if x is not None and input_kind(x) is None:
+        keras_order = shuffle is not None and _same_global_seed(ring)
+        if not arrays_as_dataset(call_kwargs, shuffle, method, keras_order=keras_order):
+            raise _not_split_error("x", x, method)
+        call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
+    if method == "fit" and split_validation(call_kwargs, rank, size) is False:
+        raise _not_split_error("validation_data", call_kwargs["validation_data"], method)
+
+
+def _not_split_error(name, value, method):
+    what = type(value).__name__
+    if isinstance(value, (list, tuple, dict)):
+        what += " holding " + ", ".join(sorted({type(leaf).__name__ for leaf in keras.tree.flatten(value)}))
+    return KerasdistError(
+        f"distribute='multiworker' (strategy-free): {method}'s {name} ({what}) cannot be split between the workers, "
+        "so every worker would train on all of it. Give in-memory arrays or tensors (NumPy, tf/JAX/torch tensors, "
+        "pandas, sparse; or lists, tuples, dicts of them" + (", validation_data as (x, y[, sample_weight])"
+                                                             if name == "validation_data" else "")
+        + "), a tf.data.Dataset, a keras.utils.PyDataset, a generator or a torch DataLoader of global batches, or "
+        "set KERASDIST_STRATEGY_FREE=off (MultiWorkerMirroredStrategy).")
+
+
+def _same_global_seed(ring):
+    """Whether every worker has one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
+    then each draws one process's shuffle of arrays; else (unset, or seeds differing) the workers share
+    ``shuffle_seed``'s order. One small ring message; every worker asks at the same call."""
+    seed = tf_global_seed()
+    mine = _seed_pieces(seed)
+    total, squares = ring.sum_arrays(mine, mine ** 2)
+    return seed is not None and _same_everywhere(mine, total, squares, ring.size)
+
+
+def _seed_pieces(seed):
+    """``seed`` (TensorFlow's: an int64) as four 16-bit pieces of its 64 bits, in float64: their sums and sums of
+    squares over the workers are exact (a seed as one float64 loses the bits below 2**53); NaN for no seed."""
+    import numpy as np
+
+    if seed is None:
+        return np.full(4, np.nan)
+    bits = int(seed) % 2 ** 64
+    return np.array([(bits >> shift) & 0xFFFF for shift in (0, 16, 32, 48)], dtype=np.float64)
+
+
+def _same_everywhere(mine, total, squares, size):
+    """Whether every worker sent ``mine``: sum x_i = n m and sum x_i^2 = n m^2 give sum (x_i - m)^2 = 0."""
+    import numpy as np
+
+    return bool(np.all(total == mine * size) and np.all(squares == mine ** 2 * size))
+
+
+def _in_shared_order(dataset, seed):
+    """``dataset``'s batches in an order shuffled each epoch from ``seed``: the same on every worker."""
+    import numpy as np
+
+    class SharedOrder(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                             max_queue_size=dataset.max_queue_size)
+            self.epoch = 0
+            self.order = np.random.default_rng([seed, 0]).permutation(len(dataset))
+
+        def __len__(self):
+            return len(dataset)
+
+        def __getitem__(self, index):
+            return dataset[int(self.order[index])]
+
+        def on_epoch_end(self):
+            dataset.on_epoch_end()
+            self.epoch += 1
+            self.order = np.random.default_rng([seed, self.epoch]).permutation(len(dataset))
+
+    return SharedOrder()
+
+
+def split_dataset(dataset, kind, ring, seed):
+    """This worker's part of every batch of a ``tf.data.Dataset``, ``keras.utils.PyDataset``, generator or torch
+    ``DataLoader``. A dataset is made deterministic, a DataLoader's shuffling sampler seeded with ``seed``: every
+    worker must slice the same batch."""
+    if kind == "tf.data":
+        import tensorflow as tf
+
+        options = tf.data.Options()
+        options.deterministic = True
+        dataset = dataset.with_options(options)
+    elif kind == "torch_dataloader":
+        seed_shuffling_samplers(dataset, seed)
+    elif kind not in ("py_dataset", "generator"):
+        return None
+    return split_batches(dataset, ring.rank, ring.size)
