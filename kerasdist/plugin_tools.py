@@ -28,7 +28,8 @@ from . import process_state
 from .batch_split import (arrays_as_dataset, as_arrays, input_kind, is_dataset, seed_shuffling_samplers,
                           split_batches, split_validation)
 import kerasdist.private_backups as private_backups  # not "from . import": kerasdist.__getattr__ looks up plugins
-from ._keras_internals.torch import compiled_metrics, keras_wraps_ddp, synchronize_torch_batch_norm
+from ._keras_internals.torch import (compiled_metrics, keep_keras_from_wrapping_ddp, keras_wraps_ddp,
+                                     local_metrics_result, synchronize_torch_batch_norm)
 from ._keras_internals.training import keras_step_order_is_known, mean_state
 from ._keras_internals.training import place_batches_by
 from ._keras_internals.torch_sharding import replace_variable_tensor
@@ -63,7 +64,8 @@ __all__ = [
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
     "assign_state_from_first_replica", "update_loss_scale_once_per_step", "replicas_train_as_one_device",
     # the PyTorch backend
-    "keras_wraps_ddp", "keras_step_order_is_known", "mean_state", "compiled_metrics", "synchronize_torch_batch_norm",
+    "keras_wraps_ddp", "keep_keras_from_wrapping_ddp", "local_metrics_result", "keras_step_order_is_known",
+    "mean_state", "compiled_metrics", "synchronize_torch_batch_norm",
     "replace_variable_tensor",
     # custom training steps (any backend)
     "optimizers_held_by",

@@ -7,7 +7,8 @@ one process), evaluate, save + load_model (the word restored), predict (tests/wo
 - TensorFlow, ``kerasdist launch -n 2``: multiworker strategy-free (KERASDIST_STRATEGY_FREE=on) and on
   MultiWorkerMirroredStrategy's step (``sync_batch_norm=True`` keeps it);
 - JAX, one process over 2 CPU devices: data_parallel, hybrid;
-- torch, 2 ranks (torchrun's variables): data_parallel; fsdp is refused with one error on Keras 3.16.
+- torch, 2 ranks (torchrun's variables): data_parallel, and keras.io's lower-level custom step with synchronized
+  BatchNormalization and an empty share; fsdp is refused with one error on Keras 3.16.
 
 Not here (each needs processes or hardware this check does not start): ps, horovod, tpu.
 """
@@ -95,8 +96,9 @@ def test_jax_words_on_the_next_keras(nightly, tmp_path):
 def test_torch_words_on_two_ranks_on_the_next_keras(nightly, tmp_path, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.setenv("PYTHONPATH", nightly_env()["PYTHONPATH"])  # torchrun_two's children inherit it
-    results = torchrun_two([WORKER, str(tmp_path), nightly, "data_parallel,refused:fsdp"], timeout=240)
+    words = ["data_parallel", "custom:data_parallel:sync_batch_norm=True"]
+    results = torchrun_two([WORKER, str(tmp_path), nightly, ",".join(words + ["refused:fsdp"])], timeout=240)
     for code, out in results:
         assert code == 0, out[-6000:]
-        _words_ok(out, ["data_parallel"])
+        _words_ok(out, words)
         assert "WORD REFUSED refused:fsdp" in out and f"KERAS {nightly} torch" in out, out[-3000:]

@@ -50,9 +50,11 @@ SCENARIOS = {"built": [], "unbuilt": ["--unbuilt"], "uneven": ["--rows", "46", "
              "added_losses": ["--added-losses", "--rows", "46", "--batch", "15"]}
 #: keras.io "Customizing what happens in fit() with PyTorch" (tests/workers/torch_guides.py), none of whose steps calls
 #: scale_loss: 11 rows in batches of 4 (a last batch of 3: shares of 1 and 2 rows), 9 rows (a last batch of 1: one
-#: rank's share empty). Also scenarios of the shared launch, and of the torchrun test.
+#: rank's share empty; with synchronized BatchNormalization that rank's moving statistics move with the global
+#: batch's). Also scenarios of the shared launch, and of the torchrun test.
 GUIDES = {"guide_first": ["--guide", "first", "--rows", "11", "--batch", "4"],
           "guide_first_sync_bn": ["--guide", "first_bn", "--sync-bn", "--rows", "11", "--batch", "4"],
+          "guide_sync_bn_empty_share": ["--guide", "first_bn", "--sync-bn", "--rows", "9", "--batch", "4"],
           "guide_lower": ["--guide", "lower", "--rows", "9", "--batch", "4"],
           "guide_sample_weight": ["--guide", "sample_weight", "--rows", "11", "--batch", "4"],
           "guide_test_step": ["--guide", "test_step", "--rows", "9", "--batch", "4"],

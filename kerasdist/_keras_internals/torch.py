@@ -1,8 +1,12 @@
 """The private Keras pieces data parallelism on the PyTorch backend needs (part of kerasdist._keras_internals).
 
 - Whether the installed Keras's torch trainer wraps the model in ``DistributedDataParallel`` by itself once
-  torch.distributed is initialised (Keras's main branch, keras-team/keras#23316, for 3.16): then kerasdist
-  must not all-reduce gradients or metrics a second time.
+  torch.distributed is initialised (Keras's main branch, keras-team/keras#23316, for 3.16), and the switch
+  that turns it off per model (``Trainer._initialize_ddp``, the ``ddp_model`` attribute): DDP averages the
+  ranks' gradients with equal weights (an uneven last batch, an empty share: wrong) and only for steps that
+  call the model through it (a custom ``train_step`` calls ``self``: never averaged), so kerasdist keeps
+  averaging them itself, as on 3.15. Also the trainer's ``get_metrics_result``, which on 3.16 sums every
+  metric state over the ranks (kerasdist sums them once, itself): the base trainer's is called instead.
 - ``BatchNormalization._moments`` (private, replaced per instance) for batch statistics over every rank.
 - ``Layer._flatten_layers`` (private) to find nested layers.
 - The order of Keras's own torch ``train_step`` (``training.keras_step_order_is_known``): the loss trackers are
@@ -14,7 +18,7 @@ torch is imported only inside the functions (``import kerasdist`` never imports 
 import inspect
 
 from .training import replace_moments
-from .versions import installed_keras_version, missing, owner_of
+from .versions import installed_keras_version, locate, missing, owner_of
 
 
 def keras_wraps_ddp():
@@ -34,6 +38,32 @@ def keras_wraps_ddp():
         return "DistributedDataParallel" in inspect.getsource(inspect.getmodule(trainer_class))
     except (ImportError, OSError, TypeError):
         return False
+
+
+def keep_keras_from_wrapping_ddp(model):
+    """On a Keras whose torch trainer wraps the model in DistributedDataParallel itself (3.16): turn that off
+    for ``model`` (an instance attribute; a DDP the trainer already made is dropped), so that kerasdist's own
+    averaging (each rank weighted by its rows, a custom step's too) is the only one. Returns whether it was on.
+    A trainer that wraps DDP elsewhere than kerasdist knows is one KerasdistError (never averaged twice)."""
+    if not keras_wraps_ddp():
+        return False
+    _, attribute = owner_of("torch_ddp_wrapping")
+    object.__setattr__(model, attribute, _no_ddp)
+    if getattr(model, "ddp_model", None) is not None:
+        object.__setattr__(model, "ddp_model", None)
+    return True
+
+
+def _no_ddp(*args, **kwargs):
+    """The trainer's DDP wrapping, turned off (kerasdist averages the gradients)."""
+
+
+def local_metrics_result(model):
+    """``model.get_metrics_result`` of this rank alone: the base trainer's where the model has the torch
+    trainer's own (3.16's sums every metric state over the ranks; kerasdist sums them itself, once)."""
+    if getattr(type(model), "get_metrics_result", None) is locate("torch_trainer_metrics_result"):
+        return locate("trainer_metrics_result").__get__(model)
+    return model.get_metrics_result
 
 
 def compiled_metrics(model):

@@ -113,6 +113,20 @@ PIECES = {
         "the torch trainer's own train_step (whether a model trains with it; its module's source says "
         "whether it wraps models in DistributedDataParallel)", "torch",
         {"3.15": f"{_TORCH_TRAINER}:TorchTrainer.train_step", "3.16.0.dev": f"{_TORCH_TRAINER}:Trainer.train_step"}),
+    "torch_ddp_wrapping": Piece(
+        "where the torch trainer wraps the model in DistributedDataParallel once torch.distributed is "
+        "initialised (3.16: Trainer._initialize_ddp, turned off per model: kerasdist averages the gradients "
+        "itself; 3.15 wraps nothing: its make_train_function, never replaced)", "torch",
+        {"3.15": f"{_TORCH_TRAINER}:TorchTrainer.make_train_function",
+         "3.16.0.dev": f"{_TORCH_TRAINER}:Trainer._initialize_ddp"}),
+    "torch_trainer_metrics_result": Piece(
+        "the torch trainer's get_metrics_result (3.16: sums every metric state over the ranks, so kerasdist "
+        "calls the base trainer's instead; 3.15: the base trainer's)", "torch",
+        {"3.15": f"{_TORCH_TRAINER}:TorchTrainer.get_metrics_result",
+         "3.16.0.dev": f"{_TORCH_TRAINER}:Trainer.get_metrics_result"}),
+    "trainer_metrics_result": Piece(
+        "the base trainer's get_metrics_result: this rank's metric results, not summed over the ranks", "torch",
+        {"3.15": f"{_TRAINER}:Trainer.get_metrics_result", "3.16.0.dev": f"{_TRAINER}:BaseTrainer.get_metrics_result"}),
     "trainer_compute_metrics": Piece(
         "Trainer.compute_metrics: updates the compiled metrics only (the step order kerasdist relies on)",
         "step_order",

@@ -6,16 +6,18 @@ Slurm cluster works too. The word is the same as on TensorFlow and JAX (plugin k
 registry picks this implementation when Keras runs on torch.
 
 On a Keras whose torch trainer wraps the model in DistributedDataParallel itself (3.16, keras-team/keras#23316)
-kerasdist joins the process group and splits the data, and leaves gradients and metrics to Keras: a model
-is never reduced twice.
+kerasdist turns that off for the models it distributes and averages as on 3.15: DDP weighs every rank's
+gradient equally (wrong for an uneven last batch or an empty share), averages only steps that call the model
+through it (not a custom ``train_step``, which calls ``self``), and the 3.16 trainer's metrics sum would sum
+kerasdist's already summed states again. A model is never reduced twice.
 """
 
 import dataclasses
 from typing import Optional
 
 import kerasdist
-from kerasdist.plugin_tools import (check_choice, check_number, keras_backend, keras_wraps_ddp,
-                                    optimizers_held_by, synchronize_torch_batch_norm)
+from kerasdist.plugin_tools import (check_choice, check_number, keep_keras_from_wrapping_ddp, keras_backend,
+                                    optimizers_held_by)
 
 from . import group, launching  # the modules that use Keras are imported by the hooks (none at plugin loading)
 from .sharding import create_fsdp_group, register_fsdp, shard_model, shard_optimizer  # noqa: F401  distribute="fsdp"
@@ -129,14 +131,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
         from . import allocator
 
         allocator.keep_freed_memory()
-    if keras_wraps_ddp():
-        return
     if spec.sync_batch_norm:
         from . import training
 
-        state = training.state_of(model)
-        synchronize_torch_batch_norm(model, training.sum_across_ranks(state),
-                                     lambda: 0.0 if state.placeholder else 1.0)
+        training.synchronize_batch_norm(model)
 
 
 #: the loss reductions that average over rows (Keras's default "sum_over_batch_size" among them)
@@ -187,7 +185,10 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
-    if not _own(spec, strategy) or strategy.world_size < 2:
+    if not _own(spec, strategy):
+        return None
+    keep_keras_from_wrapping_ddp(model)  # Keras 3.16's own DDP: kerasdist averages (weighted by rows) instead
+    if strategy.world_size < 2:
         return None
     from . import predicting, training
 
@@ -201,9 +202,8 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
         x = call_kwargs.get("x")
         if isinstance(x, RankShare) and len(x):
             symbolic_build(model, x[0])
-    if not keras_wraps_ddp():
-        training.install(model)
-        if method == "fit" and model.built:
-            training.broadcast_from_rank0(list(model.variables)  # every optimizer's state (a GAN's two) too
-                                          + [v for o in optimizers_held_by(model) for v in o.variables])
+    training.install(model)
+    if method == "fit" and model.built:
+        training.broadcast_from_rank0(list(model.variables)  # every optimizer's state (a GAN's two) too
+                                      + [v for o in optimizers_held_by(model) for v in o.variables])
     return call(**call_kwargs)

@@ -13,7 +13,8 @@ is refused with a KerasdistError. The message's layout depends only on the logs'
 every rank.
 
 A rank whose share of the batch is empty runs the same step on the placeholder row (as ``(x, y)``: the same
-collectives in every rank) with weight 0; its model state (BatchNormalization's moving statistics) is put back.
+collectives in every rank) with weight 0; its model state (BatchNormalization's moving statistics) is put back,
+except a synchronized BatchNormalization's, which moved with the other ranks' statistics (its row weighs 0).
 """
 
 import keras
@@ -39,7 +40,7 @@ def summed_step(model, state, step, data, training):
         _watch(metric, state)
     variables = unique_variables(v for m in metrics for v in m.variables)
     before = [v.value.detach().clone() for v in variables]
-    kept = _model_state(model) if placeholder else []
+    kept = _model_state(model, state) if placeholder else []
     state.batch_level = set()
     checked = training and start_first_step_check(model)
     logs = step(_without_mark(data) if placeholder else data)
@@ -201,7 +202,8 @@ def _without_mark(data):
     return x if y is None else (x, y)
 
 
-def _model_state(model):
-    """The model's float non-trainable variables and their values (what an empty share must not change)."""
+def _model_state(model, state):
+    """The model's float non-trainable variables and their values (what an empty share must not change), but
+    the moving statistics of synchronized BatchNormalization (every rank's update is the global batch's)."""
     return [(v, v.value.detach().clone()) for v in model.non_trainable_variables
-            if keras.backend.is_float_dtype(v.dtype)]
+            if keras.backend.is_float_dtype(v.dtype) and id(v) not in state.global_statistics]

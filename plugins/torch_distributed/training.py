@@ -28,8 +28,8 @@ import math
 
 import keras
 
-from kerasdist.plugin_tools import (compiled_metrics, keras_step_order_is_known, note_applied, optimizers_held_by,
-                                    unique_variables)
+from kerasdist.plugin_tools import (all_layers, compiled_metrics, keras_step_order_is_known, local_metrics_result,
+                                    note_applied, optimizers_held_by, synchronize_torch_batch_norm, unique_variables)
 
 PLACEHOLDER_MARK = -0.0  # the sample weight of a placeholder row (a rank with no rows in this batch)
 
@@ -46,6 +46,7 @@ class StepState:
     loss_scaled = False  # a scale_loss (any optimizer's) weighted the loss since the last apply
     metrics_global = False  # the metric states already hold every rank's updates (custom_steps.py)
     batch_level = frozenset()  # the metrics updated with one scalar in this step (custom_steps.py)
+    global_statistics = frozenset()  # ids of synchronized BatchNormalization's moving statistics (every rank's)
 
     @property
     def weight(self):
@@ -96,7 +97,7 @@ def install(model):
         model._kerasdist_torch = True
         model.train_step = _train_step(model, model.train_step, state)
         model.test_step = _test_step(model, model.test_step, state)
-        model.get_metrics_result = _all_reduced_metrics(model, model.get_metrics_result, state)
+        model.get_metrics_result = _all_reduced_metrics(model, local_metrics_result(model), state)
     for optimizer in optimizers_held_by(model):
         if "_kerasdist_torch" not in optimizer.__dict__:
             optimizer._kerasdist_torch = True
@@ -216,6 +217,16 @@ def _weighted(grad, factor):
     if factor == 1.0:
         return flat
     return flat * factor if factor else torch.zeros_like(flat)
+
+
+def synchronize_batch_norm(model):
+    """Every BatchNormalization of ``model`` computes its statistics over every rank (a placeholder row weighs
+    0); their moving statistics are noted in the model's state (an empty share's step keeps their update)."""
+    state = state_of(model)
+    synchronize_torch_batch_norm(model, sum_across_ranks(state), lambda: 0.0 if state.placeholder else 1.0)
+    state.global_statistics = frozenset(id(v) for layer in all_layers(model)
+                                        if isinstance(layer, keras.layers.BatchNormalization)
+                                        for v in layer.non_trainable_variables)
 
 
 def sum_across_ranks(state):

@@ -6,7 +6,10 @@ seed). Prints ``WORD OK <word> <max weight difference>`` per word, then ``KERAS 
     python keras_words.py OUT_DIR EXPECTED_KERAS_VERSION word[,word...]
 
 A word may carry options (``multiworker:sync_batch_norm=True``: ``kerasdist.spec(name, **options)``, values read
-as Python literals); ``refused:<word>`` must be one KerasdistError naming the word, at compile.
+as Python literals); ``refused:<word>`` must be one KerasdistError naming the word, at compile. ``custom:<word>``
+(torch): keras.io's lower-level custom ``train_step`` (tests/workers/torch_guides.py ``LowerLevel``: its own loss
+and trackers) with a BatchNormalization, fit on 9 rows in batches of 4 (the last batch's one row leaves a rank's
+share empty), its weights equal to plain Keras's; prints ``WORD OK custom:<word> <difference>``.
 """
 
 import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any TensorFlow op
@@ -42,8 +45,28 @@ def spec(word):
     return kerasdist.spec(name, **{k: ast.literal_eval(v) for k, v in (o.split("=", 1) for o in options.split(";"))})
 
 
+def custom_trained(distribute):
+    from torch_guides import LowerLevel, _functional  # torch only: the step calls loss.backward()
+
+    data = np.random.default_rng(1).random((9, 33)).astype("float32")
+    model = _functional(LowerLevel, 0, bn=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), distribute=distribute)
+    model.fit(data[:, :32], data[:, 32:], batch_size=4, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def max_difference(got, want):
+    return max(float(np.abs(a - b).max()) for a, b in zip(got, want))
+
+
 expected = trained(None).get_weights()
 for word in words:
+    if word.startswith("custom:"):
+        want = custom_trained(None)
+        difference = max_difference(custom_trained(spec(word.split(":", 1)[1])), want)
+        assert difference <= 1e-5, f"{word}: weights differ from one process by {difference}"
+        print("WORD OK", word, f"{difference:.2g}", flush=True)
+        continue
     if word.startswith("refused:"):
         try:
             trained(spec(word.split(":", 1)[1]))
@@ -53,7 +76,7 @@ for word in words:
             continue
         raise AssertionError(f"{word}: compile and fit ran")
     model = trained(spec(word))
-    difference = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), expected))
+    difference = max_difference(model.get_weights(), expected)
     assert difference <= 1e-5, f"{word}: weights differ from one process by {difference}"
     loss, mae = model.evaluate(x, y, batch_size=16, verbose=0)
     assert np.isfinite(loss) and np.isfinite(mae), (word, loss, mae)
