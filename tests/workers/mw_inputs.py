@@ -2,23 +2,22 @@
 
     python mw_inputs.py CASE[,CASE...] multiworker|none
 
-Cases: ``py_dataset`` (a keras.utils.PyDataset of global batches; ``py_dataset_shuffled``: fit shuffles their order),
-``generator`` (a generator of global batches),
-``sparse_dataset`` (a tf.data.Dataset of SparseTensor inputs), ``sum_loss`` (MeanSquaredError(reduction="sum")), ``empty_share`` (BatchNormalization, and a last batch of 1 row:
+Cases: ``py_dataset`` (a keras.utils.PyDataset of global batches, one as validation_data too; ``py_dataset_shuffled``:
+fit shuffles their order), ``generator`` (a generator of global batches, an endless one as validation_data),
+``sparse_dataset`` (a tf.data.Dataset of SparseTensor inputs; validation_data a scipy sparse matrix), ``sum_loss`` (MeanSquaredError(reduction="sum")), ``empty_share`` (BatchNormalization, and a last batch of 1 row:
 one worker's share is empty), ``shuffled_dataset`` (``ds.shuffle(n, seed)``, reshuffled each epoch; also counts the
 elements its pipeline made), ``py_dataset_threaded`` (PyDataset(workers=4)), ``arrays_shuffled`` (numpy, fit's
 shuffle=True), ``transfer`` (keras.io's transfer learning flow: frozen base, compile, fit, unfreeze, compile, fit),
 ``added_losses`` (a kernel regularizer, and add_loss of a mean over rows and of a keras.losses.Loss),
-``validation_py_dataset`` / ``validation_generator`` (arrays, validation_data a PyDataset / an endless generator),
-``data_loader`` (torch DataLoaders as x and validation_data; ``data_loader_shuffled``: shuffle=True, one loader
-worker process; one process seeds its sampler as multiworker does, shuffle_seed 1337), ``tensors`` (x a torch
-tensor, y a tf.Tensor, sample_weight a JAX array, validation_split, shuffle), ``dict_inputs`` (a dict of a tf.Tensor
-and an array, class_weight, validation_data a list [dict, y]), ``sparse_arrays`` (x a tf.SparseTensor,
-validation_data a scipy sparse matrix),
-each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the history}.
+``data_loader`` (torch DataLoaders: x with shuffle=True and one loader worker process, one process seeding its
+sampler as multiworker does from shuffle_seed 1337; validation_data in order), ``tensors`` (x a torch tensor, y a
+tf.Tensor, sample_weight a JAX array, validation_split, shuffle), ``dict_inputs`` (a dict of a tf.Tensor and an
+array, class_weight, validation_data a list [dict, y]). Every model but transfer's logs ``rows`` (summed over the
+workers: twice one process's count where every worker trained every row). Each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the history}.
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
 
+import itertools
 import json
 import os
 import sys
@@ -70,13 +69,15 @@ def train(case):
         layers.append(AddedLosses())
     model = keras.Sequential(layers + [keras.layers.Dense(1)])
     loss = keras.losses.MeanSquaredError(reduction="sum") if case == "sum_loss" else "mse"
-    model.compile(optimizer=keras.optimizers.SGD(0.01 if case == "sum_loss" else 0.1), loss=loss, metrics=["mae"],
-                  distribute=None if word == "none" else word)
+    model.compile(optimizer=keras.optimizers.SGD(0.01 if case == "sum_loss" else 0.1), loss=loss,
+                  metrics=["mae", Rows()], distribute=None if word == "none" else word)
     made = {}
     if case == "py_dataset_threaded":  # its enqueuer's threads: an extra iterator left batches queued (rotated)
         history = model.fit(Batches(workers=4, use_multiprocessing=False), epochs=3, verbose=0, shuffle=False)
     elif case.startswith("py_dataset"):  # Keras shuffles a PyDataset's batch order: the same order everywhere
-        history = model.fit(Batches(), epochs=2, verbose=0, shuffle=case == "py_dataset_shuffled")
+        validation = Batches() if case == "py_dataset" else None  # before: unpacked as (x, y, sample_weight)
+        history = model.fit(Batches(), epochs=2, verbose=0, shuffle=case == "py_dataset_shuffled",
+                            validation_data=validation)
     elif case == "shuffled_dataset":  # each iterator reshuffles: an extra one before epoch 1 shifts every epoch
         import tensorflow as tf
 
@@ -88,23 +89,26 @@ def train(case):
     elif case == "arrays_shuffled":  # every worker draws one process's permutation and takes its share
         history = model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=True, verbose=0)
     elif case == "generator":
-        def batches():
-            for _ in range(2):
+        def batches(passes):
+            for _ in passes:
                 yield from (Batches()[i] for i in range(STEPS))
-        history = model.fit(batches(), steps_per_epoch=STEPS, epochs=2, verbose=0)
+
+        history = model.fit(batches(range(2)), steps_per_epoch=STEPS, epochs=2, verbose=0,
+                            validation_data=batches(itertools.count()), validation_steps=2)  # endless
     elif case == "sparse_dataset":  # rows of SparseTensors are cut with tf.sparse.slice
         import tensorflow as tf
 
+        import scipy.sparse
+
         batches = tf.data.Dataset.from_tensor_slices((tf.sparse.from_dense(x), y)).batch(BATCH)
-        history = model.fit(batches, epochs=2, verbose=0)
+        history = model.fit(batches, epochs=2, verbose=0, validation_data=(scipy.sparse.csr_matrix(x[40:]), y[40:]))
     else:
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     w = np.concatenate([np.ravel(v) for v in model.get_weights()])
     print(f"RESULT {case} " + json.dumps({"w": w.tolist(), **history.history, **made}), flush=True)
 
 
-INPUT_KINDS = ("validation_py_dataset", "validation_generator", "data_loader", "data_loader_shuffled", "tensors",
-               "dict_inputs", "sparse_arrays")
+INPUT_KINDS = ("data_loader", "tensors", "dict_inputs")
 
 
 class Rows(keras.metrics.Metric):
@@ -122,50 +126,32 @@ class Rows(keras.metrics.Metric):
 
 
 def other_kinds(case):
-    """Issue 29 item 4: inputs Keras takes that multiworker once left unsplit (every worker trained all rows: the
-    ``rows`` metric counted them twice) or misread (a PyDataset as validation_data unpacked as (x, y, weights))."""
+    """Issue 29 items 2-4: inputs Keras takes that multiworker once left unsplit (every worker trained all rows: the
+    ``rows`` metric counted them twice; a shuffling DataLoader in each worker's own order)."""
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(5)
     x, y = rng.random((80, 5)).astype("float32"), rng.random((80, 1)).astype("float32")
-    if case == "sparse_arrays":
-        x = np.where(x > 0.6, x, 0.0).astype("float32")
     x_val, y_val, x, y = x[64:], y[64:], x[:64], y[:64]
     if case == "dict_inputs":
         inputs = {"a": keras.Input((2,), name="a"), "b": keras.Input((3,), name="b")}
         hidden = keras.layers.Dense(4, activation="tanh")(keras.layers.Concatenate()([inputs["a"], inputs["b"]]))
         model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
     else:
-        model = keras.Sequential([keras.Input((5,), sparse=case == "sparse_arrays"),
-                                  keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae", Rows()],
                   distribute=None if word == "none" else word)
     fit = dict(epochs=2, verbose=0, shuffle=False)
-    if case == "validation_py_dataset":
-        class Validation(keras.utils.PyDataset):
-            def __len__(self):
-                return 2
-
-            def __getitem__(self, index):
-                return x_val[index * 8:(index + 1) * 8], y_val[index * 8:(index + 1) * 8]
-
-        history = model.fit(x, y, batch_size=BATCH, validation_data=Validation(), **fit)
-    elif case == "validation_generator":
-        def validation():
-            while True:
-                yield from ((x_val[i:i + 8], y_val[i:i + 8]) for i in (0, 8))
-
-        history = model.fit(x, y, batch_size=BATCH, validation_data=validation(), validation_steps=2, **fit)
-    elif case.startswith("data_loader"):
+    if case == "data_loader":
         import torch
 
         def loader(a, b, shuffle=False, workers=0):
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(a), torch.tensor(b)),
                                                batch_size=BATCH, shuffle=shuffle, num_workers=workers)
 
-        train = loader(x, y, shuffle=case == "data_loader_shuffled", workers=int(case == "data_loader_shuffled"))
-        if case == "data_loader_shuffled" and word == "none":  # the order multiworker gives every worker
+        train = loader(x, y, shuffle=True, workers=1)
+        if word == "none":  # the order multiworker gives every worker
             train.sampler.generator = torch.Generator().manual_seed(1337)
         history = model.fit(train, validation_data=loader(x_val, y_val), **fit)
     elif case == "tensors":
@@ -174,15 +160,10 @@ def other_kinds(case):
 
         history = model.fit(torch.tensor(x), tf.constant(y), sample_weight=jnp.asarray(np.linspace(0.5, 1.5, 64)),
                             batch_size=BATCH, validation_split=0.25, epochs=2, verbose=0, shuffle=True)
-    elif case == "dict_inputs":
+    else:
         x_dict = {"a": tf.constant(x[:, :2]), "b": x[:, 2:]}
         history = model.fit(x_dict, (y > 0.5).astype("float32"), batch_size=BATCH, class_weight={0: 1.0, 1: 3.0},
                             validation_data=[{"a": x_val[:, :2], "b": tf.constant(x_val[:, 2:])}, y_val], **fit)
-    else:
-        import scipy.sparse
-
-        history = model.fit(tf.sparse.from_dense(x), y, batch_size=BATCH,
-                            validation_data=(scipy.sparse.csr_matrix(x_val), y_val), **fit)
     w = np.concatenate([np.ravel(v) for v in model.get_weights()])
     print(f"RESULT {case} " + json.dumps({"w": w.tolist(), **history.history}), flush=True)
 
