@@ -42,25 +42,28 @@ def describe(model):
     return info
 
 
-def _record_history(history_class, records):
+def _record_history(history_class, records, keep_weights=False):
     """Make every ``History`` (each ``fit`` has one, also kerasdist's own ps loop) record itself at the
-    end of training; returns a function that undoes it."""
+    end of training (with ``keep_weights``, also the model's weights as numpy arrays and their paths);
+    returns a function that undoes it."""
 
     def on_train_end(self, logs=None):
         records.append({"history": _floats(self.history), "epochs": list(self.epoch), **describe(self.model)})
+        if keep_weights:
+            records[-1].update(weights=self.model.get_weights(), paths=[v.path for v in self.model.weights])
 
     history_class.on_train_end = on_train_end
     return lambda: delattr(history_class, "on_train_end")
 
 
 @contextlib.contextmanager
-def observe(records):
+def observe(records, keep_weights=False):
     """In this process: generated MNIST and recorded fits until the block ends."""
     import keras
 
     saved = keras.datasets.mnist.load_data
     keras.datasets.mnist.load_data = _data.load_data
-    undo = _record_history(keras.callbacks.History, records)
+    undo = _record_history(keras.callbacks.History, records, keep_weights)
     try:
         yield records
     finally:
@@ -68,7 +71,7 @@ def observe(records):
         undo()
 
 
-def run_in_this_process(guide, records, environ=None):
+def run_in_this_process(guide, records, environ=None, keep_weights=False):
     """Run ``guide`` as ``__main__`` here (under ``observe``, with ``environ`` set for the run only);
     returns its globals and the exception it raised, or None, so that what ran before a failure can
     still be checked."""
@@ -78,7 +81,7 @@ def run_in_this_process(guide, records, environ=None):
     saved = {name: os.environ.get(name) for name in environ or {}}
     os.environ.update(environ or {})
     try:
-        with observe(records):
+        with observe(records, keep_weights):
             exec(code, namespace)
     except Exception as error:  # noqa: BLE001 (handed to the test that checks that part)
         return namespace, error
