@@ -243,3 +243,27 @@ def test_shuffled_multi_input_multi_output_arrays_keep_their_structure():
     rows = [int(np.flatnonzero(np.all(a == row, axis=1))[0]) for row in xa.numpy()]
     np.testing.assert_array_equal(xb.numpy(), b[rows])  # shuffled together: rows still aligned
     np.testing.assert_array_equal(t2.numpy(), y2[rows])
+
+
+GUIDE_VARIANTS = ("true_positives", "loaded", "shuffled_arrays")
+
+
+@pytest.mark.timeout(300)
+def test_built_in_methods_guide_under_the_strategy_step_equals_one_process_on_every_rank(tmp_path):
+    """keras.io "Training & evaluation with the built-in methods" with KERASDIST_STRATEGY_FREE=off
+    (MultiWorkerMirroredStrategy's step), each variant's weights and every epoch's logs (fit, validation, a reload's
+    fit, evaluate) equal one process's on both ranks. Before (issue 29 item 4): its CategoricalTruePositives crashed
+    ("'str' object has no attribute 'is_floating'"), load_model failed ("colocate_vars_with" in
+    compile_from_config), epoch logs were each rank's own share's (14 and 10 true positives for one process's 24),
+    shuffled arrays trained in kerasdist's seeded order (6.8e-3 off)."""
+    from tests.test_multiworker_strategy_free import CUSTOM_STEP, _assert_same, _results
+
+    names = ",".join(GUIDE_VARIANTS)
+    launched = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", CUSTOM_STEP, names, "multiworker"],
+                   timeout=240, env=child_env(KERASDIST_STRATEGY_FREE="off", TEST_SAVE_DIR=str(tmp_path))).stdout
+    single = run(python(CUSTOM_STEP, names, "none"), timeout=180, env=child_env(TEST_SAVE_DIR=str(tmp_path))).stdout
+    assert "[0] kerasdist: multiworker trains strategy-free" not in launched
+    launched, single = [_results(launched, f"[{rank}] ") for rank in (0, 1)], _results(single, "")
+    for variant in GUIDE_VARIANTS:
+        for rank in (0, 1):
+            _assert_same(launched[rank][variant], single[variant], f"{variant} rank {rank}")

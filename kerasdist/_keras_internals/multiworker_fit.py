@@ -40,10 +40,18 @@ def build_from_input_structure(model, strategy, iterator):
                               for spec in tf.nest.flatten(structure)):
             with strategy.scope():
                 model._symbolic_build(data_batch=structure)
+            _metrics_under(model, strategy)
             return
     except Exception:  # noqa: BLE001 - whatever the structure could not build: Keras's way below
         pass
     _build_from_first_batch(model, strategy, iterator)
+    _metrics_under(model, strategy)
+
+
+def _metrics_under(model, strategy):
+    from .strategy_binding import move_metrics_to_strategy  # it imports this module
+
+    move_metrics_to_strategy(model, strategy)
 
 
 def _build_from_first_batch(model, strategy, iterator):
@@ -125,15 +133,44 @@ def install_multiworker_fit_fixes():
     patches["reduce"] = (trainer_module, reduce_name, original_reduce)
     setattr(trainer, build_name, _maybe_symbolic_build)
     setattr(trainer_module, reduce_name, reduce_per_replica)
+    if not versions.missing("py_dataset_enqueuer_generator"):
+        _stop_threaded_py_datasets_on_the_main_thread_only(patches)
     return True
+
+
+def _stop_threaded_py_datasets_on_the_main_thread_only(patches):
+    """A threaded PyDataset's batches (``workers`` > 1) come from Keras's generator that stops the enqueuer when
+    it is read past the epoch's last batch. One process never reads past it, but a strategy's input pipeline
+    prefetches the next element from tf.data's thread: that stop then raced the main thread's ``on_epoch_end``
+    and ``on_epoch_begin`` and, landing after the next epoch's start, stopped that epoch's enqueuer and queued
+    its first batches ahead of a fresh run of all of them: the epoch trained in another order than one process
+    (about 1 run in 5 on a loaded machine). The generator is given its epoch's batches and never resumed after
+    the last one; ``on_epoch_end`` (Keras's, on the main thread) stops the enqueuer as in one process."""
+    owner, name = versions.owner_of("py_dataset_enqueuer_generator")
+    original = getattr(owner, name)
+
+    def _finite_enqueuer_generator(self):
+        batches = original(self)
+        for _ in range(self.num_batches):
+            try:
+                yield next(batches)
+            except StopIteration:
+                return
+
+    patches["py_dataset_generator"] = (owner, name, original)
+    setattr(owner, name, _finite_enqueuer_generator)
 
 
 def _mean_over_workers(values, strategy):
     """Keras's per-step logs averaged over the workers: float scalars through the strategy's
     log summer when one is set (one message for all of them), the rest by ``strategy.reduce``."""
+    import keras
+    import tensorflow as tf
     from keras import tree
 
-    flat = tree.flatten(values)
+    # a metric's variable returned as its result (keras.io's CategoricalTruePositives): its value (a Keras
+    # variable has a dtype name, and strategy.reduce takes no Keras variable)
+    flat = [tf.convert_to_tensor(v) if isinstance(v, keras.Variable) else v for v in tree.flatten(values)]
     summer = _log_summers().get(id(strategy))
     local = [strategy.experimental_local_results(v) for v in flat]
     fast = [i for i, v in enumerate(flat) if summer is not None and len(local[i]) == 1
@@ -163,7 +200,7 @@ def set_log_summer(strategy, workers, sum_tensors):
 def uninstall_multiworker_fit_fixes():
     """Restore Keras's own functions (tests)."""
     patches = _patches()
-    for key in ("build", "reduce"):
+    for key in ("build", "reduce", "py_dataset_generator"):
         if key in patches:
             owner, name, original = patches.pop(key)
             setattr(owner, name, original)

@@ -59,9 +59,13 @@ def _move_variables(variables, strategy):
     Under a plain MirroredStrategy :class:`_DirectMirroring` makes the same MirroredVariable
     without TensorFlow's variable-creator stack.
     """
+    import tensorflow as tf
     from tensorflow.python.eager import context, record
 
     direct = _DirectMirroring.for_strategy(strategy)
+    # already inside the strategy's scope (load_model's compile_from_config), its creator runs after the reusing
+    # one, which must then not hand the old variable back as it is (the model stayed plain: "colocate_vars_with")
+    reusable = not tf.distribute.has_strategy()
     with (_reusing_first_components() as reuse, strategy.scope(),
           context.device_policy(context.DEVICE_PLACEMENT_SILENT), record.stop_recording()):
         belongs = _belonging_to(strategy)
@@ -71,7 +75,7 @@ def _move_variables(variables, strategy):
             if direct is not None:
                 moving = direct.move_all(moving)
             for variable in moving:
-                variable._initialize(reuse.offer(variable._value, _agrees_with(variable, variable._value)))
+                variable._initialize(reuse.offer(variable._value, reusable and _agrees_with(variable, variable._value)))
 
 
 @contextlib.contextmanager
@@ -288,6 +292,14 @@ def move_to_strategy(model, strategy, optimizer=None):
     for opt in optimizers:
         setattr(opt, _OPTIMIZER_STRATEGY_ATTR, strategy)
         _rekey_optimizer(opt, old_keys[id(opt)])
+
+
+def move_metrics_to_strategy(model, strategy):
+    """Move ``model``'s metric variables not yet under ``strategy`` there (values kept): a metric object made
+    before ``compile`` (keras.io's ``metrics=[CategoricalTruePositives()]``) is built outside any scope, and compile
+    cannot see it until Keras builds the compiled metrics at the first ``fit``. Left plain, each worker of a
+    MultiWorkerMirroredStrategy read its own share's state: the epoch logs differed per rank (issue 29)."""
+    _move_variables(unique_variables(_metric_variables(model)), strategy)
 
 
 def _piece_users(strategy):

@@ -52,6 +52,11 @@ PIECES = {
     "tf_reduce_per_replica": Piece(
         "the TensorFlow trainer's log reduction, replaced for multi-worker fit", "multiworker",
         _everywhere(f"{_TF_TRAINER}:reduce_per_replica")),
+    "py_dataset_enqueuer_generator": Piece(
+        "the generator a threaded PyDataset's batches come from (it stops the enqueuer once read past its last "
+        "batch, which a strategy's prefetch does from tf.data's thread): kerasdist never reads past it",
+        "tf", _everywhere("keras.src.trainers.data_adapters.py_dataset_adapter:"
+                          "PyDatasetAdapter._finite_enqueuer_generator")),
     "trainer_symbolic_build": Piece(
         "Trainer._symbolic_build: builds every variable fit needs from a batch's structure", "tf",
         {"3.15": f"{_TRAINER}:Trainer._symbolic_build", "3.16.0.dev": f"{_TRAINER}:BaseTrainer._symbolic_build"}),

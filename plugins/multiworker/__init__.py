@@ -13,9 +13,11 @@ import sys
 
 import kerasdist
 from kerasdist import ClusterConfigError, KerasdistError
-from kerasdist.plugin_tools import is_dataset, keras_backend, number_from_env, private_backups, set_process_group
+from kerasdist.plugin_tools import (input_kind, is_dataset, keras_backend, number_from_env, private_backups,
+                                    set_process_group)
 
-from .gradients import agree_on_ring, all_gather_text, gradient_transport, use_ring
+from .gradients import (agree_on_ring, all_gather_text, gradient_transport, same_global_seed_everywhere,
+                        use_ring)
 from .probe import keep_ring_if_faster
 from .join import TooLate, check_port_free, join_cluster, state
 from .options import (BACKUP_DIR_VAR, BYTES_PER_PACK_VAR, COLLECTIVE_TIMEOUT_VAR, COMMUNICATION_VAR,
@@ -243,7 +245,9 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         set_batch_share_weighting(model, may_split_unevenly(call_kwargs, strategy.num_replicas_in_sync),
                                   replicas=ring.size if ring else None, sum_counts=ring.sum_count if ring else None)
         index = private_backups.count_fit()
-        workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index)
+        keras_order = (call_kwargs.get("shuffle", True) and input_kind(call_kwargs.get("x")) is None
+                       and same_global_seed_everywhere(strategy))  # else kerasdist's shared seeded order
+        workers.shuffle_arrays_alike(call_kwargs, spec.shuffle_seed + index, keras_order)
     _chief_writes(method, call_kwargs, model, spec, strategy, index)
 
 

@@ -5,7 +5,7 @@ import secrets
 import sys
 
 from kerasdist import ClusterConfigError
-from kerasdist.plugin_tools import route_gradient_all_reduce, set_log_summer, split_address
+from kerasdist.plugin_tools import route_gradient_all_reduce, set_log_summer, split_address, tf_global_seed
 
 from . import ring as tcp_ring
 from .join import state
@@ -110,6 +110,14 @@ def _ring_refusal(strategy, options):
     if "CPU" not in devices[0].upper():
         return f"!trains on {devices[0]} (GPU: TensorFlow's collectives are faster there)"
     return None
+
+
+def same_global_seed_everywhere(strategy):
+    """Whether every worker set one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
+    then each draws one process's shuffle of arrays. One small collective; every worker asks at the same call."""
+    seed = tf_global_seed()
+    texts, _ = all_gather_text(strategy, "none" if seed is None else str(int(seed)))
+    return seed is not None and len(set(texts)) == 1
 
 
 _TEXT_WIDTH = 512

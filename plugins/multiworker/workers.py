@@ -43,10 +43,11 @@ class _RestoreWrites(keras.callbacks.Callback):
                 shutil.rmtree(os.path.join(self.scratch, name), ignore_errors=True)
 
 
-def shuffle_arrays_alike(call_kwargs, seed):
+def shuffle_arrays_alike(call_kwargs, seed, keras_order=False):
     """Keras shuffles numpy inputs with an unseeded op, so workers would each take a
     different permutation and the element-wise shard would repeat some examples and
-    drop others. Feed arrays through a tf.data pipeline shuffled with one shared seed."""
+    drop others. Feed arrays through a tf.data pipeline shuffled with one shared seed;
+    ``keras_order`` (every worker set one global seed): Keras's own shuffle, one process's order."""
     if call_kwargs.get("shuffle", True):
-        arrays_as_dataset(call_kwargs, seed)
+        arrays_as_dataset(call_kwargs, seed, keras_order=keras_order)
 

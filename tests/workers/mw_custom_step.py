@@ -4,13 +4,18 @@ one word: ``first`` (its first CustomModel: compute_loss, optimizer.apply, every
 held by the model updates the last layer, as a GAN's; its log is not a metric), ``in_dict`` (``two`` with that optimizer
 kept in a dict) and ``per_row`` (``first`` logging its per-row predictions): refused under multiworker, printed as
 RESULT <variant> {"error": ...}; each variant named trained in turn
-in this process. Prints RESULT <variant> {"w": all weights, and the history}.
+in this process. Prints RESULT <variant> {"w": all weights, and the history}. From keras.io "Training & evaluation
+with the built-in methods" (a stock Keras model; issue 29 item 4, run with KERASDIST_STRATEGY_FREE=off too):
+``true_positives`` (its CategoricalTruePositives metric, an uneven global batch, validation_data, evaluate's logs),
+``loaded`` (saved after fit, keras.models.load_model, fit again), ``shuffled_arrays`` (fit(shuffle=True) after
+keras.utils.set_random_seed), ``threaded`` (a PyDataset(workers=4)).
 
     python mw_custom_step.py first,lower,two multiworker|none
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
 
 import json
+import os
 import sys
 
 import keras
@@ -103,7 +108,66 @@ class PerRowLog(CustomModel):
         return dict(super().train_step(data), y_pred=self(data[0], training=False))
 
 
+class CategoricalTruePositives(keras.metrics.Metric):
+    """keras.io's custom metric: add_weight in __init__, its variable as its result."""
+
+    def __init__(self, name="categorical_true_positives", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.true_positives = self.add_weight(name="ctp", initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_pred = keras.ops.reshape(keras.ops.argmax(y_pred, axis=1), (-1, 1))
+        values = keras.ops.cast(keras.ops.cast(y_true, "int32") == keras.ops.cast(y_pred, "int32"), "float32")
+        if sample_weight is not None:
+            values = keras.ops.multiply(values, keras.ops.cast(sample_weight, "float32"))
+        self.true_positives.assign_add(keras.ops.sum(values))
+
+    def result(self):
+        return self.true_positives
+
+    def reset_state(self):
+        self.true_positives.assign(0.0)
+
+
+GUIDE = ("true_positives", "loaded", "shuffled_arrays", "threaded")
+
+
+def guide(variant):
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(3)
+    x, y = rng.random((64, 5)).astype("float32"), rng.integers(0, 3, (64, 1))
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                              keras.layers.Dense(3, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="sparse_categorical_crossentropy",
+                  metrics=["sparse_categorical_accuracy", CategoricalTruePositives()], distribute=distribute)
+    history = {}
+    if variant == "threaded":
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, index):
+                return x[index * 16:(index + 1) * 16], y[index * 16:(index + 1) * 16]
+
+        history = model.fit(Batches(workers=4, use_multiprocessing=False), epochs=3, shuffle=False, verbose=0).history
+    else:  # 15 rows a batch: 8 and 7 per worker
+        history = model.fit(x, y, batch_size=15, epochs=2, shuffle=variant == "shuffled_arrays", verbose=0,
+                            validation_data=(x[:21], y[:21])).history
+    if variant == "loaded":  # the same file name in every process: each reads what it wrote before every reads
+        path = f"{os.environ.get('TEST_SAVE_DIR', '/tmp')}/{variant}-{os.getpid()}.keras"
+        model.save(path)
+        model = keras.models.load_model(path, custom_objects={"CategoricalTruePositives": CategoricalTruePositives})
+        history.update({f"loaded_{k}": v for k, v in model.fit(x, y, batch_size=15, epochs=1, shuffle=False,
+                                                               verbose=0).history.items()})
+    history.update({f"evaluate_{k}": [v] for k, v in model.evaluate(x[:37], y[:37], batch_size=10, verbose=0,
+                                                                    return_dict=True).items()})
+    w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+    print(f"RESULT {variant} " + json.dumps({"w": w.tolist(), **history}), flush=True)
+
+
 def train(variant):
+    if variant in GUIDE:
+        return guide(variant)
     if variant == "per_row" and distribute is None:  # only its refusal is checked
         return
     keras.utils.set_random_seed(0)
