@@ -106,6 +106,29 @@ def test_added_losses_and_a_regularizer_equal_single_process(suite):
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 @needs_horovod
+def test_shuffled_arrays_after_set_random_seed_train_in_one_processs_order(suite):
+    """Issue 29 item 4: with keras.utils.set_random_seed(s) on every rank, fit(shuffle=True) of arrays draws one
+    process's permutation on every rank, each taking its part of every global batch (before: a seed shared by the
+    ranks gave another order)."""
+    import keras
+
+    ranks, _, _ = suite
+    x, y = common.data(batches=8)
+    model = common.build_model()
+    model.set_weights(common.initial_weights(7))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    keras.utils.set_random_seed(11)
+    history = model.fit(x, y, batch_size=2 * common.BATCH, epochs=2, shuffle=True, verbose=0)
+    for rank in ranks:
+        difference = np.abs(rank["seeded_shuffle_weights"] - flat(model.get_weights())).max()
+        print(f"max |w_rank - w_one_process| after 2 shuffled epochs: {difference:.3g}")
+        assert difference <= 1e-5
+        np.testing.assert_allclose(rank["seeded_shuffle_loss"], history.history["loss"], atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
 def test_batch_size_per_worker_gives_horovods_semantics_and_says_so_once(suite):
     """batch_size_per_worker=True: batch_size=16 per rank, so a step trains on 16 x 2 = 32 examples,
     the same training as the default run given batch_size=32 (the global batch)."""

@@ -213,7 +213,9 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
                 print(per_worker_notice(call_kwargs, size), file=sys.stderr, flush=True)
             shard_call_data(call_kwargs, rank, size, method)
         else:
-            split_call_data(call_kwargs, rank, size, method, _shared_seed(hvd) if method == "fit" else None)
+            shuffles = method == "fit" and call_kwargs.get("shuffle", True)
+            split_call_data(call_kwargs, rank, size, method, _shared_seed(hvd) if method == "fit" else None,
+                            keras_order=bool(shuffles) and _same_global_seed(hvd))
     if spec.average_metrics and method == "fit":
         callbacks.insert(0, MetricAverageCallback())
     if method == "fit":
@@ -228,6 +230,15 @@ def _shared_seed(hvd):
     import random
 
     return hvd.broadcast_object(random.randrange(2**31), root_rank=0, name="kerasdist_shuffle_seed")
+
+
+def _same_global_seed(hvd):
+    """Whether every rank set one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
+    then each draws one process's shuffle of in-memory arrays (before: the shared seed's order, another one)."""
+    from kerasdist.plugin_tools import tf_global_seed
+
+    seeds = hvd.allgather_object(tf_global_seed(), name="kerasdist_global_seeds")
+    return seeds[0] is not None and all(seed == seeds[0] for seed in seeds)
 
 
 @kerasdist.hookimpl

@@ -73,14 +73,15 @@ def shard_arrays(arrays, batch_size, rank, size, what="fit"):
 
 
 
-def split_call_data(call_kwargs, rank, size, method, seed):
+def split_call_data(call_kwargs, rank, size, method, seed, keras_order=False):
     """``batch_size`` is the global batch: each rank takes its part of every batch (arrays are fed as
-    a dataset shuffled alike on every rank with ``seed``); validation arrays likewise."""
+    a dataset shuffled alike on every rank with ``seed``; ``keras_order``, every rank having one global seed:
+    by Keras's own shuffle, one process's order); validation arrays likewise."""
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
     x = call_kwargs.get("x")
     if is_dataset(x):
         pass  # split by kerasdist_prepare_dataset already
-    elif arrays_as_dataset(call_kwargs, shuffle, method):
+    elif arrays_as_dataset(call_kwargs, shuffle, method, keras_order=keras_order):
         call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)
     elif x is not None:
         _not_split_warning(method, x)

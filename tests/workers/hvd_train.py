@@ -132,6 +132,13 @@ def suite(outdir):
     out["added_losses_weights"] = model.get_weights()
     out["added_losses_loss"] = np.array(history.history["loss"])
 
+    # 10. fit(shuffle=True) of arrays after keras.utils.set_random_seed: one process's permutation on every rank.
+    model = compiled(common.initial_weights(7), keras.optimizers.SGD(0.1))
+    keras.utils.set_random_seed(11)
+    history = model.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=True, verbose=0)
+    out["seeded_shuffle_weights"] = model.get_weights()
+    out["seeded_shuffle_loss"] = np.array(history.history["loss"])
+
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **{k: _array(v) for k, v in out.items()})
     print(f"rank {rank}/{size}: suite done", flush=True)
 
