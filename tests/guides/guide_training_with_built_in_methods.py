@@ -15,7 +15,9 @@ Changed for the comparison (SGD, so that a difference in the gradients shows in 
 divide it away): every optimizer -> keras.optimizers.SGD(learning_rate=0.05) ("rmsprop" and
 keras.optimizers.RMSprop(...)/Adam() alike).
 Shrunk for CI: x_train.reshape(60000, 784) -> reshape(-1, 784), x_test.reshape(10000, 784) -> reshape(-1, 784)
-  (tests/guides/_data.py's 11000/1000 rows: after the guide's 10000-row validation holdout, 1000 train rows);
+  (tests/guides/_data.py's 11000/1000 rows: after the guide's 10000-row holdout, 1000 train rows);
+  x_val = x_train[-10000:] -> x_train[-1000:] and y_val likewise (the validation rows: the last 1000; a mirrored
+  validation pass costs 1.4 s per epoch on 500 rows here, against 0.1 s plain);
   EarlyStopping's epochs=20 -> 4.
 Left out, for time (11 fits kept of the guide's 22): the compile-only cells, the custom-loss function
   (the CustomMSE class kept), the `validation_split` cell (EarlyStopping and ModelCheckpoint use it), the
@@ -57,8 +59,8 @@ y_train = y_train.astype("float32")
 y_test = y_test.astype("float32")
 
 # Reserve 10,000 samples for validation
-x_val = x_train[-10000:]
-y_val = y_train[-10000:]
+x_val = x_train[-1000:]
+y_val = y_train[-1000:]
 x_train = x_train[:-10000]
 y_train = y_train[:-10000]
 
