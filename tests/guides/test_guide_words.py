@@ -50,9 +50,11 @@ PY_DATASET_ORDER = ("fit(shuffle=True) of a PyDataset under strategy-free multiw
                     "from it too): 0.55")
 TORCH_ARRAY_ORDER = ("torch data_parallel: the first fit (arrays, fit's default shuffle=True) differs by 7.1e-3: a "
                      "permutation from a seed rank 0 draws (plugins/torch_distributed/data.py shared_seed), not one "
-                     "process's (with shuffle=False: 3e-8); every later fit differs by 0.54 to 1.1, also with "
-                     "shuffle=False on the first two, though the second fit's model, CustomMSE and data alone train "
-                     "as one process (1e-10): cause not found yet")
+                     "process's (with shuffle=False: 3e-8); and every later model starts from other initial weights "
+                     "(0.54 to 1.1, also with shuffle=False): during fit's symbolic build (Keras's meta tensors) "
+                     "plugins/torch_distributed/training.py get_metrics_result calls dist.all_reduce, whose meta kernel "
+                     "(torch create_fakework -> generate_unique_id) draws from Python's random, from which Keras draws "
+                     "every initializer's seed; one process draws nothing there")
 JAX_UNBUILT = ("data_parallel refuses the tutorial's Sequential without an Input at compile (KerasdistError 'the "
                "model is not built, so its variables cannot be placed'); stock keras.distribution places the "
                "variables when fit builds the model")
