@@ -52,9 +52,9 @@ TORCH_ARRAY_ORDER = ("torch data_parallel: the first fit (arrays, fit's default 
                      "permutation from a seed rank 0 draws (plugins/torch_distributed/data.py shared_seed), not one "
                      "process's (with shuffle=False: 3e-8); and every later model starts from other initial weights "
                      "(0.54 to 1.1, also with shuffle=False): during fit's symbolic build (Keras's meta tensors) "
-                     "plugins/torch_distributed/training.py get_metrics_result calls dist.all_reduce, whose meta kernel "
-                     "(torch create_fakework -> generate_unique_id) draws from Python's random, from which Keras draws "
-                     "every initializer's seed; one process draws nothing there")
+                     "plugins/torch_distributed/training.py get_metrics_result calls dist.all_reduce, whose meta "
+                     "kernel (torch create_fakework -> generate_unique_id) draws from Python's random, from which "
+                     "Keras draws every initializer's seed; one process draws nothing there")
 JAX_UNBUILT = ("data_parallel refuses the tutorial's Sequential without an Input at compile (KerasdistError 'the "
                "model is not built, so its variables cannot be placed'); stock keras.distribution places the "
                "variables when fit builds the model")
