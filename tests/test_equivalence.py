@@ -64,6 +64,7 @@ ROWS = {
     "mirrored": ("tensorflow", "mirrored"),
     "central_storage": ("tensorflow", "central_storage"),
     "multiworker": ("tensorflow", "multiworker"),
+    "multiworker_mwms": ("tensorflow", "multiworker"),
     "horovod": ("tensorflow", "horovod"),
     "torch_data_parallel": ("torch", "data_parallel"),
     "jax_data_parallel": ("jax", "data_parallel"),
@@ -114,7 +115,9 @@ def columns_of(row):
 def launcher(row):
     """(the command that starts ``row``'s process(es) before the script, its environment)."""
     env = {"KERAS_BACKEND": BACKEND_OF[row], "TF_CPP_MIN_LOG_LEVEL": 3}
-    if row in ("multiworker", "torch_data_parallel", "jax_processes"):
+    if row == "multiworker_mwms":  # the step under MultiWorkerMirroredStrategy, which `auto` may pick too
+        env["KERASDIST_STRATEGY_FREE"] = "off"
+    if row in ("multiworker", "multiworker_mwms", "torch_data_parallel", "jax_processes"):
         return [KERASDIST, "launch", "-n", "2", "--join-timeout", "60"], env
     if row == "horovod":
         return [HOROVODRUN, *HOROVOD_ARGS, PYTHON], env
@@ -139,6 +142,8 @@ def train_row(row, outdir, columns=None):
     result = run([*start, CASES, SCRIPT, outdir, json.dumps(cases), *([tag] if tag else [])], timeout=500,
                  env=child_env(**env), check=False)
     seconds = time.monotonic() - began
+    if row == "multiworker_mwms" and result.returncode == 0:  # it really ran under MultiWorkerMirroredStrategy
+        assert "[0] REPLICAS 2" in result.stdout, result.stdout[-3000:]
     if tag:
         left = left_behind(tag)
         assert not left, f"horovodrun left processes behind: {left}"

@@ -205,26 +205,6 @@ NOTICE = "[0] kerasdist: multiworker trains strategy-free (KERASDIST_STRATEGY_FR
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("column", ["float32", "small_last_batch"])
-def test_multiworker_mirrored_strategy_step_still_equals_plain_keras(column, tmp_path):
-    """test_equivalence's multiworker cells train strategy-free (the default); with KERASDIST_STRATEGY_FREE=off
-    MultiWorkerMirroredStrategy's step (which sync_batch_norm, shard_policy file/off and TensorFlow's
-    collectives still use) must equal plain Keras too."""
-    from tests import test_equivalence as eq
-
-    out = str(tmp_path / f"mwms-{column}.npz")
-    cmd, _ = eq.command("multiworker", out, eq.COLUMNS[column][0])
-    result = run(cmd, timeout=240, env=child_env(TF_CPP_MIN_LOG_LEVEL=3, KERASDIST_STRATEGY_FREE="off"), check=False)
-    assert "[0] REPLICAS 2" in result.stdout, result.stdout[-3000:]
-    steps, theirs = eq.saved_result("multiworker", column, out, result)
-    reference_steps, reference = eq.train(None, column, str(tmp_path))
-    difference, tol = eq.max_difference(reference, theirs), eq.tolerance(column, reference)
-    print(f"MWMS {column}: steps {steps} (plain {reference_steps}), max |dw| {difference:.3g} (tol {tol:.3g})")
-    assert steps == reference_steps and difference <= tol
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_loss_scale_overflow_on_one_worker_is_skipped_by_every_worker_strategy_free(tmp_path):
     from tests import test_equivalence as eq
