@@ -241,6 +241,8 @@ def sum_across_ranks(state):
         @staticmethod
         def forward(ctx, tensor):
             total = tensor.clone()
+            if total.is_meta:  # fit's symbolic build: shapes only, no collective
+                return total
             dist.all_reduce(total)
             return total
 
@@ -293,6 +295,10 @@ def _all_reduced_metrics(model, original, state):
         if not rest and not summed:
             return original()
         variables = summed + rest
+        # fit's symbolic build (meta tensors): no collective. torch's meta all_reduce draws from Python's random,
+        # which Keras seeds every later initializer from: models built after the fit differed from one process's.
+        if any(v.value.is_meta for v in variables):
+            return original()
         local = [v.value.detach().clone() for v in variables]
         if rest:
             flat = torch.cat([v.value.detach().reshape(-1).double() for v in rest])

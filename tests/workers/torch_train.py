@@ -189,12 +189,14 @@ def main(argv=None):
     evaluated = net.evaluate(x, y, batch_size=args.batch, verbose=0, return_dict=True)
     predicted = net.predict(x, batch_size=args.batch, verbose=0)
     rank = int(os.environ.get("RANK", "0"))
+    later = keras.layers.Dense(3)  # seeded from Python's random, as Keras seeds every unseeded initializer
+    later.build((None, 4))
     os.makedirs(args.out, exist_ok=True)
     np.savez(os.path.join(args.out, f"rank{rank}.npz"), *[np.asarray(w, dtype="float64") for w in net.get_weights()],
              loss=np.asarray(history.history["loss"]), mae=np.asarray(history.history.get("mae", [])),
              batch_logs=np.asarray(batch_logs.rows), all_reduces=np.asarray(batch_logs.all_reduces),
              evaluate=np.asarray([evaluated["loss"], evaluated.get("mae", 0.0)]),
-             predict=np.asarray(predicted, "float64"),
+             predict=np.asarray(predicted, "float64"), later_init=np.asarray(later.kernel, "float64"),
              epochs_run=np.asarray(len(history.history["loss"])), allocator=np.asarray(allocator.status()))
     print(f"rank {rank} done: loss {history.history['loss']}", flush=True)
 
