@@ -48,29 +48,35 @@ PY_DATASET_ORDER = ("fit(shuffle=True) of a PyDataset under strategy-free multiw
                     "draws from Python's random (Keras's PyDataset adapter), which kerasdist's order leaves "
                     "untouched, so every later model in the script gets other initial weights (Keras draws them "
                     "from it too): 0.55")
-TORCH_ARRAY_ORDER = ("torch data_parallel: the first fit (arrays, fit's default shuffle=True) differs by 7.1e-3: a "
-                     "permutation from a seed rank 0 draws (plugins/torch_distributed/data.py shared_seed), not one "
-                     "process's (with shuffle=False: 3e-8); and every later model starts from other initial weights "
-                     "(0.54 to 1.1, also with shuffle=False): during fit's symbolic build (Keras's meta tensors) "
-                     "plugins/torch_distributed/training.py get_metrics_result calls dist.all_reduce, whose meta "
-                     "kernel (torch create_fakework -> generate_unique_id) draws from Python's random, from which "
-                     "Keras draws every initializer's seed; one process draws nothing there")
+TORCH_ARRAY_ORDER = ("torch data_parallel shuffles NumPy arrays and a PyDataset's batches (fit's default shuffle=True) "
+                     "by a permutation from a seed rank 0 draws (plugins/torch_distributed/data.py shared_seed), not "
+                     "one process's: max |dw| 7.1e-3, 4.9e-5, 1.2e-2 (arrays), 8.7e-3 (PyDataset; with shuffle=False "
+                     "3e-8); one process's PyDataset shuffle draws from Python's random, which Keras draws initial "
+                     "weights from, so every later model starts elsewhere (0.53 to 0.61); the add_loss sum (0.165). "
+                     "Before 4a02e92 every model after the first fit started elsewhere (a collective on fit's meta "
+                     "tensors drew from Python's random)")
+JAX_NOT_REPRODUCIBLE = ("the transfer guide is not reproducible in one plain JAX process: run three times in one "
+                        "process, each after keras.utils.set_random_seed(1337), its weights differ by up to 4.6e-4 "
+                        "(TensorFlow: 0); data_parallel was within 1.3e-6 of the plain run in 4 full runs of 5, 1.1e-3 "
+                        "in the fifth")
 JAX_UNBUILT = ("data_parallel refuses the tutorial's Sequential without an Input at compile (KerasdistError 'the "
                "model is not built, so its variables cannot be placed'); stock keras.distribution places the "
                "variables when fit builds the model")
 
-ALL_FITS = tuple(range(11))
 #: (word, guide) -> (fits whose weights differ, fits whose history differs from one process's, the reason)
 KNOWN = {
     ("mirrored", BUILT_IN): ((ACTIVITY_SUM,), (TRUE_POSITIVES, ACTIVITY_SUM), ADD_LOSS_SUM + "; " + PAIR_COUNT),
     ("multiworker", BUILT_IN): ((ACTIVITY_SUM, *range(PY_DATASET, 11)), (TRUE_POSITIVES, ACTIVITY_SUM,
                                 *range(PY_DATASET, 11)), ADD_LOSS_SUM + "; " + PAIR_COUNT + "; " + PY_DATASET_ORDER),
-    ("torch-data_parallel", BUILT_IN): (ALL_FITS, ALL_FITS, TORCH_ARRAY_ORDER),
+    ("torch-data_parallel", BUILT_IN): ((0, 1, 2, ACTIVITY_SUM, *range(PY_DATASET, 11)),
+                                        (0, 1, 2, ACTIVITY_SUM, *range(PY_DATASET, 11)), TORCH_ARRAY_ORDER),
     **{(word, TRANSFER): ((0, 1), (0, 1), DROPOUT_AND_BN)
        for word in ("mirrored", "central_storage", "multiworker", "horovod", "torch-data_parallel")},
 }
 #: (word, guide) -> why it stops with an error
 STOPS = {("jax-data_parallel", IMAGES): JAX_UNBUILT}
+#: (word, guide) -> why one process's run is not a fixed reference (a non-strict xfail)
+FLAKY = {("jax-data_parallel", TRANSFER): JAX_NOT_REPRODUCIBLE}
 
 
 
@@ -82,8 +88,8 @@ def _needs_horovod():
 NEEDS_HOROVOD = _needs_horovod.pytestmark
 
 
-def _param(word, *rest, xfail=None):
-    marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
+def _param(word, *rest, xfail=None, strict=True):
+    marks = [pytest.mark.xfail(strict=strict, reason=xfail)] if xfail else []
     marks += NEEDS_HOROVOD if word == "horovod" else []
     return pytest.param(word, *rest, marks=marks)
 
@@ -211,7 +217,8 @@ def _compared(request, word, guide):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("word,guide", [_param(*case, xfail=STOPS.get(case)) for case in CASES])
+@pytest.mark.parametrize("word,guide", [_param(*case, xfail=STOPS.get(case) or FLAKY.get(case),
+                                               strict=case not in FLAKY) for case in CASES])
 def test_guide_trains_as_one_process(request, word, guide):
     figures, _, _ = _compared(request, word, guide)
     weights_off, history_off, _ = KNOWN.get((word, guide), ((), (), ""))
