@@ -61,13 +61,23 @@ GUIDES = {"guide_first": ["--guide", "first", "--rows", "11", "--batch", "4"],
           "guide_gan_data_noise": ["--guide", "gan_data_noise", "--rows", "11", "--batch", "4"],
           "guide_gan": ["--guide", "gan", "--rows", "9", "--batch", "4"]}
 SCENARIOS.update(GUIDES)
+#: fit(shuffle=...) after keras.utils.set_random_seed: the ranks draw one process's order (keras_order.py): arrays
+#: (a model fit builds; shuffle="batch"), a PyDataset (workers=1) and a DataLoader whose sampler draws from torch's
+#: global generator
+SHUFFLED = {"shuffled_arrays_unbuilt": ["--unbuilt", "--shuffle", "true"],
+            "shuffled_batches": ["--shuffle", "batch"],
+            "shuffled_py_dataset": ["--input", "pydataset", "--shuffle", "true"],
+            "shuffling_loader": ["--input", "dataloader_shuffled"]}
+SHUFFLED = {name: [*argv, "--fit-seed", "7", "--rows", "46", "--batch", "15"] for name, argv in SHUFFLED.items()}
+SCENARIOS.update(SHUFFLED)
 #: run only under the launch: a loss summed over rows (refused), the SIGKILL test's uninterrupted 4-epoch run
 #: a custom step's logs: backed by a metric on one rank only, inf with an empty share (9 rows), per row (refused);
 #: a custom step applying an optimizer kept in a dict (refused)
 LAUNCH_ONLY = {"sum_loss": ["--loss-reduction", "sum"], "uninterrupted": ["--epochs", "4"],
                "tracked_on_one_rank": ["--guide", "tracked_on_one_rank", "--rows", "9", "--batch", "4"],
                "per_row_log": ["--guide", "per_row_log", "--rows", "11", "--batch", "4"],
-               "optimizer_in_dict": ["--guide", "optimizer_in_dict", "--rows", "11", "--batch", "4", "--epochs", "1"]}
+               "optimizer_in_dict": ["--guide", "optimizer_in_dict", "--rows", "11", "--batch", "4", "--epochs", "1"],
+               "shuffled_unseeded": ["--shuffle", "true", "--rank-seeds", "--rows", "46", "--batch", "15"]}
 
 
 def _run_scenarios(out, scenarios, command, **env):
@@ -188,6 +198,18 @@ def test_a_model_built_by_fit_trains_like_one_process(two_ranks, one_process):
     """No Input: fit builds the model (kerasdist builds it from this rank's first batch, then every rank takes
     rank 0's weights: each rank seeds its own)."""
     _assert_like_one_process(_scenario(two_ranks, "unbuilt"), _scenario(one_process, "unbuilt", [0])[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("name", SHUFFLED)
+def test_a_shuffled_fit_after_set_random_seed_trains_in_one_processs_order(two_ranks, one_process, name):
+    _assert_like_one_process(_scenario(two_ranks, name), _scenario(one_process, name, [0])[0], atol=1e-5)
+
+
+def test_a_shuffled_fit_without_a_common_random_state_trains_alike_in_every_rank(two_ranks):
+    """Each rank's torch and Python random states differ: one order from a seed rank 0 chose, the same everywhere."""
+    first, second = _scenario(two_ranks, "shuffled_unseeded")
+    for mine, theirs in zip(_weights(first), _weights(second)):
+        np.testing.assert_array_equal(mine, theirs)
 
 
 def test_uneven_and_empty_shares_train_like_one_process(two_ranks, one_process):

@@ -201,7 +201,7 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
 
         x = call_kwargs.get("x")
         if isinstance(x, RankShare) and len(x):
-            symbolic_build(model, x[0])
+            symbolic_build(model, x.build_batch())
     training.install(model)
     if method == "fit" and model.built:
         training.broadcast_from_rank0(list(model.variables)  # every optimizer's state (a GAN's two) too

@@ -5,10 +5,11 @@ The rule: a global batch of ``n`` rows is cut into the ranks' contiguous shares 
 exactly (training.py weights each share by its size). A rank whose share is empty (``n < W``) gets the
 batch's first row as a placeholder, marked by the sample weight -0.0; it contributes nothing.
 
-Inputs: NumPy arrays (shuffled, when ``fit(shuffle=True)``, by one permutation per epoch drawn from a seed
-rank 0 chose), a ``keras.utils.PyDataset`` (batch order shuffled the same way), a torch ``DataLoader``
-(iterated in every rank; a shuffling one is given a generator seeded by rank 0) and a ``tf.data.Dataset``
-of known length. Each becomes a ``keras.utils.PyDataset`` holding this rank's rows.
+Inputs: NumPy arrays (shuffled, when ``fit(shuffle=True)``, in one process's order: keras_order.py), a
+``keras.utils.PyDataset`` (batch order shuffled the same way), a torch ``DataLoader`` (iterated in every rank as
+one process iterates it) and a ``tf.data.Dataset`` of known length. Where the ranks' random states differ (no seed
+set), a shuffle is drawn from a seed rank 0 chose instead: the same in every rank, not one process's. Each becomes a
+``keras.utils.PyDataset`` holding this rank's rows.
 """
 
 import numpy as np
@@ -18,6 +19,7 @@ import keras
 from kerasdist import KerasdistError
 from kerasdist.plugin_tools import first_array, is_dataset
 
+from . import keras_order
 from .training import PLACEHOLDER_MARK
 
 
@@ -64,6 +66,12 @@ class RankShare(keras.utils.PyDataset):
     def __len__(self):
         return self._count
 
+    def build_batch(self):
+        """Batch 0 read as one process's ``fit`` reads it to build the model: Keras iterates its ``DataLoader`` once
+        (a base seed drawn from torch's global generator), then reads the pass's first batch."""
+        keras_order.draw_loader_base_seed()
+        return self[0]
+
     def __getitem__(self, index):
         if index >= self._count:
             raise IndexError(index)
@@ -97,16 +105,20 @@ def shared_seed():
 
 
 class _Order:
-    """Batch order per epoch: in order, or a permutation drawn each time batch 0 is read (every rank draws
-    the same, from the shared seed)."""
+    """Order per pass: in order, or a new one drawn each time batch 0 is read: ``keras_draw()`` (one process's
+    Keras order, where every rank holds the same random state), else a permutation from the shared seed."""
 
-    def __init__(self, size, shuffle):
-        self.size, self.rng = size, np.random.default_rng(shared_seed()) if shuffle else None
-        self.current = np.arange(size)
+    def __init__(self, size, shuffle, keras_draw=None):
+        self.size, self.current, self.draw = size, np.arange(size), None
+        if shuffle and keras_draw is not None:
+            self.draw = keras_draw
+        elif shuffle:
+            rng = np.random.default_rng(shared_seed())
+            self.draw = lambda: rng.permutation(size)
 
     def at(self, index):
-        if index == 0 and self.rng is not None:
-            self.current = self.rng.permutation(self.size)
+        if index == 0 and self.draw is not None:
+            self.current = np.asarray(self.draw())
         return self.current
 
 
@@ -115,7 +127,9 @@ def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
     if sample_weight is not None and y is None:
         raise KerasdistError("data_parallel (torch): sample_weight without y is not supported; give y.")
     size = len(first_array(x))
-    order = _Order(size, shuffle)
+    keras_draw = shuffle and keras_order.torch_state_same_everywhere() and (
+        lambda: keras_order.array_permutation(size, batch_size, shuffle))
+    order = _Order(size, shuffle, keras_draw or None)
     count = -(-size // batch_size)
     parts = [x] + [p for p in (y, sample_weight) if p is not None]
 
@@ -123,7 +137,7 @@ def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
         begin = index * batch_size
         start, stop = share(min(batch_size, size - begin), rank, world)
         keep = slice(start, stop) if stop > start else slice(0, 1)  # an empty share: a placeholder row
-        if order.rng is None:  # in order: a slice (a view, no copy)
+        if order.draw is None:  # in order: a slice (a view, no copy)
             rows = slice(begin + keep.start, begin + keep.stop)
         else:
             rows = order.at(index)[begin:begin + batch_size][keep]
@@ -135,18 +149,24 @@ def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
 
 def from_py_dataset(dataset, shuffle, rank, world):
     count = len(dataset)
-    order = _Order(count, shuffle)
+    keras_draw = shuffle and keras_order.python_state_same_everywhere() and (
+        lambda: keras_order.py_dataset_order(count))
+    order = _Order(count, shuffle, keras_draw or None)
     return RankShare(lambda index: take_share(dataset[int(order.at(index)[index])], rank, world), count, rank, world)
 
 
-def from_iterable(make_iterator, count, rank, world):
-    """A source read in order (a DataLoader, a tf.data.Dataset): batch 0 starts a new pass."""
+def from_iterable(make_iterator, count, rank, world, after_pass=None):
+    """A source read in order (a DataLoader, a tf.data.Dataset): batch 0 starts a new pass; ``after_pass()`` runs
+    once its last batch is read."""
     current = {}
 
     def batch(index):
         if index == 0 or "it" not in current:
             current["it"] = iter(make_iterator())
-        return _as_tuple(next(current["it"]))
+        read = _as_tuple(next(current["it"]))
+        if after_pass is not None and index == count - 1:
+            after_pass()
+        return read
 
     return RankShare(lambda index: take_share(batch(index), rank, world), count, rank, world)
 
@@ -158,9 +178,16 @@ def _as_tuple(batch):
 
 
 def from_data_loader(loader, rank, world):
+    """One process's passes (keras_order.py) where every rank holds the same generator states; else a shuffling
+    sampler without its own generator gets one seeded by rank 0."""
     import torch
 
     sampler = getattr(loader, "sampler", None)
+    generators = [g for g in (loader.generator, getattr(sampler, "generator", None)) if g is not None]
+    if keras_order.same_everywhere(torch.get_rng_state(), *(g.get_state() for g in generators)):
+        own_generator = loader.generator is not None
+        return from_iterable(lambda: keras_order.start_pass(loader, keep_global_state=not own_generator),
+                             len(loader), rank, world, after_pass=(lambda: iter(loader)) if own_generator else None)
     if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
         sampler.generator = torch.Generator().manual_seed(shared_seed())  # the same order in every rank
     return from_iterable(lambda: loader, len(loader), rank, world)
@@ -179,7 +206,8 @@ def rank_view(method, value, call_kwargs, rank, world, name):
     """``value`` (``x`` of ``fit``/``evaluate``) as this rank's :class:`RankShare`, or None to leave it."""
     import torch
 
-    shuffle = method == "fit" and call_kwargs.get("shuffle", True) not in (False, None)
+    shuffle = call_kwargs.get("shuffle", True) if method == "fit" else False  # True, False or "batch"
+    shuffle = False if shuffle is None else shuffle
     if isinstance(value, RankShare):
         return None
     if is_dataset(value):

@@ -45,6 +45,10 @@ def arguments(argv=None):
     parser.add_argument("--guide", default=None, help="a keras.io custom-step model (tests/workers/torch_guides.py)")
     parser.add_argument("--added-losses", action="store_true",
                         help="a kernel regularizer, and add_loss of a mean over rows and of a keras.losses.Loss")
+    parser.add_argument("--shuffle", default="false", choices=["false", "true", "batch"], help="fit's shuffle=")
+    parser.add_argument("--fit-seed", type=int, default=None, help="keras.utils.set_random_seed(N) before fit")
+    parser.add_argument("--rank-seeds", action="store_true",
+                        help="before fit, each rank seeds torch and Python's random on its own (states differ)")
     parser.add_argument("--recompile", action="store_true",
                         help="first compile without metrics and fit an epoch, then compile again (a new optimizer)")
     return parser.parse_args(argv)
@@ -128,6 +132,11 @@ def as_input(kind, x, y, batch):
 
         dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
         return dict(x=torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=False))
+    if kind == "dataloader_shuffled":  # shuffled by a sampler drawing from torch's global generator
+        import torch
+
+        dataset = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        return dict(x=torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True))
     if kind == "pydataset":
         class Batches(keras.utils.PyDataset):
             def __len__(self):
@@ -184,7 +193,17 @@ def main(argv=None):
         callbacks.append(KillInEpoch(int(os.environ["TORCH_TEST_KILL_AT"])))
     if args.checkpoint:
         callbacks.append(keras.callbacks.CSVLogger(os.path.join(args.out, f"log-{os.environ.get('RANK', '0')}.csv")))
-    history = net.fit(**as_input(args.input, x, y, args.batch), epochs=args.epochs, shuffle=False, verbose=0,
+    if args.fit_seed is not None:  # every process: the same random state (the model's seed is rank 0's + rank)
+        keras.utils.set_random_seed(args.fit_seed)
+    if args.rank_seeds:
+        import random
+
+        import torch
+
+        random.seed(100 + int(os.environ.get("RANK", "0")))
+        torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
+    shuffle = {"false": False, "true": True, "batch": "batch"}[args.shuffle]
+    history = net.fit(**as_input(args.input, x, y, args.batch), epochs=args.epochs, shuffle=shuffle, verbose=0,
                       callbacks=callbacks)
     evaluated = net.evaluate(x, y, batch_size=args.batch, verbose=0, return_dict=True)
     predicted = net.predict(x, batch_size=args.batch, verbose=0)
