@@ -75,14 +75,10 @@ BACKEND_OF = {**{row: backend for row, (backend, _) in ROWS.items()}, **{r: b fo
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 #: (column, row) cells that do not pass yet, with why (measured 2026-11-27); every other cell is asserted. Add an
 #: entry (and its reason) only for a cell that cannot pass yet. RACY: those that pass in some runs (xfail, not strict).
-PY_DATASET_SHARED_SEED = ("fit(shuffle=True) of a PyDataset: its batch order is drawn from a seed shared by the "
-                          "processes, not one process's order (max |dw| {})")
 RACE = ("PyDataset(workers=4) under a tf.distribute strategy in one process: Keras makes the next epoch's (or "
         "evaluation's) iterator before it stops the loader, whose queued batches reach it rotated (docs/equivalence.md)"
         "; {}")
 NOT_YET = {
-    ("input_py_dataset", "horovod"): PY_DATASET_SHARED_SEED.format(0.005),
-    ("input_py_dataset", "multiworker"): PY_DATASET_SHARED_SEED.format(0.0049),
     ("input_py_dataset", "torch_data_parallel"): (
         "PyDataset(workers=4): the ranks draw one process's shuffles (the same random.shuffle calls on the same "
         "state), but one process's Keras reads its batches rotated by one (the build read's enqueuer stream goes "

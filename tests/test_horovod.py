@@ -361,6 +361,43 @@ def test_arrays_become_one_dataset_shuffled_alike_with_a_shared_seed():
     assert not arrays_as_dataset({"x": [1, 2, 3]}, None)  # not arrays: left alone
 
 
+def test_the_shared_shuffle_seed_leaves_pythons_random_state_as_one_processs():
+    """Issue 29: the ranks' shared shuffle seed was drawn with random.randrange, one draw from the Python random
+    state that Keras shuffles a PyDataset with (and draws initializer seeds from), so fit(shuffle=True) of a
+    PyDataset trained in another order than one process (equivalence cell input_py_dataset x horovod: max |dw|
+    0.00502). Now it comes from the system's entropy and leaves that state alone."""
+    import random
+
+    class OneRank:
+        @staticmethod
+        def broadcast_object(value, root_rank, name):
+            return value
+
+    random.seed(3)
+    state = random.getstate()
+    seed = plugin._shared_seed(OneRank)
+    assert 0 <= seed < 2 ** 31 and random.getstate() == state
+
+
+def test_ranks_compare_random_states_exactly_by_an_all_gather():
+    import random
+
+    from kerasdist.plugin_tools import digest_pieces, same_everywhere, sum_by_all_gather
+
+    random.seed(1)
+    first = random.getstate()
+    random.random()
+    second = random.getstate()
+
+    def ranks_holding(*states):
+        return sum_by_all_gather(lambda mine: [mine] + [[digest_pieces(s).tolist(), (digest_pieces(s) ** 2).tolist()]
+                                                        for s in states[1:]])
+
+    assert same_everywhere(digest_pieces(first), ranks_holding(first, first, first), 3)
+    assert not same_everywhere(digest_pieces(first), ranks_holding(first, second), 2)
+    assert not same_everywhere(digest_pieces(second), ranks_holding(second, first, first), 3)
+
+
 def test_detects_horovodrun_and_auto_picks_horovod(system):
     import kerasdist
 

@@ -293,11 +293,11 @@ def test_split_batches_cuts_sparse_rows_keeping_their_static_shape():
 def test_workers_seeds_differing_only_below_float64_precision_are_not_the_same_seed():
     """Seeds were compared as float64 sums: 2**60 and 2**60 + 1 counted as one seed, and the workers shuffled
     arrays in different orders, silently. Checked without processes: the pieces two workers send, summed."""
-    from kerasdist_plugins.multiworker.inputs import _same_everywhere, _seed_pieces
+    from kerasdist.plugin_tools import int_pieces, same_everywhere
 
     def same(*seeds):
-        pieces = [_seed_pieces(s) for s in seeds]
-        return _same_everywhere(pieces[0], sum(pieces), sum(p ** 2 for p in pieces), len(seeds))
+        pieces = [int_pieces(s) for s in seeds]
+        return same_everywhere(pieces[0], lambda *_: (sum(pieces), sum(p ** 2 for p in pieces)), len(seeds))
 
     for seed in (2 ** 60, 2 ** 63 - 1, -(2 ** 62), 12345, 0):
         assert same(seed, seed, seed)
@@ -405,3 +405,46 @@ def test_a_data_loaders_batches_split_keeping_its_sampler_and_worker_processes()
     assert [b.tolist() for b in split_batches(stream, 1, 2)] == [[2, 3], [4]]
     batches = torch.utils.data.DataLoader([torch.arange(4)], batch_size=None)
     assert [b.tolist() for b in split_batches(batches, 0, 2)] == [[0, 1]]
+
+
+class _RingOfStates:
+    """A stand-in for the ring of 2 workers: the other worker sends the digest of ``other_state``."""
+    rank, size = 0, 2
+
+    def __init__(self, other_state):
+        from kerasdist.plugin_tools import digest_pieces
+
+        self.other = digest_pieces(other_state)
+
+    def sum_arrays(self, mine, squares):
+        return mine + self.other, squares + self.other ** 2
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_shuffled_py_dataset_keeps_keras_shuffle_only_when_every_python_random_state_is_the_same(same):
+    """Issue 29: fit(shuffle=True) of a PyDataset trained in kerasdist's shared-seed order (equivalence cell
+    input_py_dataset x multiworker: max |dw| 0.0166), though Keras shuffles it with Python's random, the same on
+    every worker after keras.utils.set_random_seed. Now Keras's own shuffle stays where every worker's state is the
+    same (one process's order), and the shared order is kept where it is not."""
+    import random
+
+    import keras
+
+    from kerasdist_plugins.multiworker.inputs import split_call_data
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            return np.full((2, 1), index, "float32"), np.zeros((2, 1), "float32")
+
+    random.seed(5)
+    state = random.getstate()
+    other = state if same else (random.random(), random.getstate())[1]
+    random.setstate(state)
+    data = Batches()
+    call = dict(x=data, shuffle=True)
+    split_call_data(call, _RingOfStates(other), "fit", seed=7)
+    assert random.getstate() == state  # the check draws nothing
+    assert (call["x"] is data and call["shuffle"] is True) if same else call["shuffle"] is False

@@ -229,7 +229,8 @@ def _shared_seed(hvd):
     """A fresh shuffle seed, the same on every rank (rank 0's)."""
     import random
 
-    return hvd.broadcast_object(random.randrange(2**31), root_rank=0, name="kerasdist_shuffle_seed")
+    # SystemRandom: Python's random state stays one process's (Keras draws a PyDataset's shuffle from it)
+    return hvd.broadcast_object(random.SystemRandom().randrange(2**31), root_rank=0, name="kerasdist_shuffle_seed")
 
 
 def _same_global_seed(hvd):

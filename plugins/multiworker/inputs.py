@@ -4,8 +4,9 @@ global batch, as under the strategy), from batches every worker reads alike; an 
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import (arrays_as_dataset, input_kind, seed_shuffling_samplers, split_batches,
-                                    split_validation, tf_global_seed)
+from kerasdist.plugin_tools import (arrays_as_dataset, input_kind, int_pieces, python_random_same_everywhere,
+                                    same_everywhere, seed_shuffling_samplers, split_batches, split_validation,
+                                    tf_global_seed)
 
 
 def split_call_data(call_kwargs, ring, method, seed):
@@ -16,8 +17,8 @@ def split_call_data(call_kwargs, ring, method, seed):
     rank, size = ring.rank, ring.size
     x = call_kwargs.get("x")
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
-    if shuffle is not None and isinstance(x, keras.utils.PyDataset):  # Keras's own shuffle differs per worker
-        call_kwargs.update(x=_in_shared_order(x, shuffle), shuffle=False)
+    if shuffle is not None and isinstance(x, keras.utils.PyDataset) and not _same_python_random(ring):
+        call_kwargs.update(x=_in_shared_order(x, shuffle), shuffle=False)  # Keras's own shuffle differs per worker
     if x is not None and input_kind(x) is None:
         keras_order = shuffle is not None and _same_global_seed(ring)
         if not arrays_as_dataset(call_kwargs, shuffle, method, keras_order=keras_order):
@@ -45,27 +46,14 @@ def _same_global_seed(ring):
     then each draws one process's shuffle of arrays; else (unset, or seeds differing) the workers share
     ``shuffle_seed``'s order. One small ring message; every worker asks at the same call."""
     seed = tf_global_seed()
-    mine = _seed_pieces(seed)
-    total, squares = ring.sum_arrays(mine, mine ** 2)
-    return seed is not None and _same_everywhere(mine, total, squares, ring.size)
+    return seed is not None and same_everywhere(int_pieces(seed), ring.sum_arrays, ring.size)
 
 
-def _seed_pieces(seed):
-    """``seed`` (TensorFlow's: an int64) as four 16-bit pieces of its 64 bits, in float64: their sums and sums of
-    squares over the workers are exact (a seed as one float64 loses the bits below 2**53); NaN for no seed."""
-    import numpy as np
-
-    if seed is None:
-        return np.full(4, np.nan)
-    bits = int(seed) % 2 ** 64
-    return np.array([(bits >> shift) & 0xFFFF for shift in (0, 16, 32, 48)], dtype=np.float64)
-
-
-def _same_everywhere(mine, total, squares, size):
-    """Whether every worker sent ``mine``: sum x_i = n m and sum x_i^2 = n m^2 give sum (x_i - m)^2 = 0."""
-    import numpy as np
-
-    return bool(np.all(total == mine * size) and np.all(squares == mine ** 2 * size))
+def _same_python_random(ring):
+    """Whether every worker's Python ``random`` state is the same (the same script after
+    ``keras.utils.set_random_seed``): then Keras's own shuffle of a PyDataset's batches (``random.shuffle``) draws
+    one process's order on every worker; else the workers share ``shuffle_seed``'s order. One small ring message."""
+    return python_random_same_everywhere(ring.sum_arrays, ring.size)
 
 
 def _in_shared_order(dataset, seed):
