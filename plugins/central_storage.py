@@ -70,3 +70,11 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
 
+
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, call_kwargs, spec):
+    """A keras.utils.PyDataset is read in one process's batch order (or refused where it cannot be)."""
+    if isinstance(spec, CentralStorage):
+        from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
+
+        read_py_datasets_in_one_processs_order(method, call_kwargs, "central_storage")

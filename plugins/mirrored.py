@@ -91,6 +91,15 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
         _evaluate_on_empty_replicas(model)
 
 
+@kerasdist.hookimpl
+def kerasdist_adjust_call(method, call_kwargs, spec):
+    """A keras.utils.PyDataset is read in one process's batch order (or refused where it cannot be)."""
+    if isinstance(spec, Mirrored):
+        from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
+
+        read_py_datasets_in_one_processs_order(method, call_kwargs, "mirrored")
+
+
 def _predict_on_empty_replicas(model):
     """A replica given no rows (``predict`` on fewer rows than replicas) predicts one row of zeros and returns none
     of it: TensorFlow's oneDNN convolution gives an empty batch the input's shape, so the next layer fails

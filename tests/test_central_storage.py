@@ -7,7 +7,8 @@ import pytest
 import tensorflow as tf
 
 import kerasdist
-from tests.test_mirrored import STEPS, _max_weight_difference, _mlp, _train
+from tests.test_mirrored import (STEPS, _max_weight_difference, _mlp, _train,
+                                 check_py_datasets_train_in_one_processs_shuffled_order)
 
 
 def test_two_replicas_equal_one_device_after_20_sgd_steps():
@@ -105,3 +106,9 @@ def test_metrics_and_evaluate_equal_one_device_over_many_steps():
         return history["loss"] + history["mae"] + model.evaluate(x, y, batch_size=8, verbose=0)
 
     np.testing.assert_allclose(run("central_storage"), run(None), rtol=0, atol=1e-5)
+
+
+def test_a_py_dataset_trains_in_one_processs_shuffled_order():
+    """Issue 29: as under mirrored (tests/test_mirrored.py), a threaded and a plain PyDataset read by batch index;
+    before: 5 runs of 5 off (max |dw| 0.2 to NaN), the matrix's 0.026 and val_loss 0.41 in 2 runs of 4."""
+    check_py_datasets_train_in_one_processs_shuffled_order("central_storage", runs=2)

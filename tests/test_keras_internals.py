@@ -34,7 +34,8 @@ def test_checked_versions_name_lines_and_exact_nightlies():
 def test_every_piece_has_a_location_on_every_keras_line():
     for name, piece in versions.PIECES.items():
         assert set(piece.where) == set(versions.KERAS_LINES), name
-        assert piece.needed_by in ("tf", "multiworker", "central_storage", "horovod", "jax", "step_order", "torch"), name
+        assert piece.needed_by in ("tf", "multiworker", "central_storage", "horovod", "jax", "step_order", "torch",
+                                    "py_dataset_order"), name
     for name, where in versions.INSTANCE_ATTRIBUTES.items():
         assert set(where) == set(versions.KERAS_LINES), name
 

@@ -57,6 +57,13 @@ PIECES = {
         "batch, which a strategy's prefetch does from tf.data's thread): kerasdist never reads past it",
         "tf", _everywhere("keras.src.trainers.data_adapters.py_dataset_adapter:"
                           "PyDatasetAdapter._finite_enqueuer_generator")),
+    "py_dataset_tf_dataset": Piece(
+        "PyDatasetAdapter.get_tf_dataset: a PyDataset under mirrored/central_storage read by batch index "
+        "(py_dataset_reading)", "py_dataset_order",
+        _everywhere("keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.get_tf_dataset")),
+    "py_dataset_epoch_begin": Piece(
+        "PyDatasetAdapter.on_epoch_begin: where that reading draws each epoch's order", "py_dataset_order",
+        _everywhere("keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter.on_epoch_begin")),
     "trainer_symbolic_build": Piece(
         "Trainer._symbolic_build: builds every variable fit needs from a batch's structure", "tf",
         {"3.15": f"{_TRAINER}:Trainer._symbolic_build", "3.16.0.dev": f"{_TRAINER}:BaseTrainer._symbolic_build"}),
