@@ -66,6 +66,7 @@ __all__ = [
     "layers_by_name",
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
     "assign_state_from_first_replica", "update_loss_scale_once_per_step", "replicas_train_as_one_device",
+    "read_py_datasets_in_one_processs_order",
     # the PyTorch backend
     "keras_wraps_ddp", "keep_keras_from_wrapping_ddp", "local_metrics_result", "keras_step_order_is_known",
     "mean_state", "compiled_metrics", "synchronize_torch_batch_norm",
@@ -232,6 +233,47 @@ def replicas_train_as_one_device(compile_kwargs, model, strategy, sync_batch_nor
     if sync_batch_norm:
         synchronize_batch_norm(model)
 
+
+def read_py_datasets_in_one_processs_order(method, call_kwargs, word):
+    """Under a strategy of several replicas in one process (MirroredStrategy, CentralStorageStrategy): every
+    ``keras.utils.PyDataset`` among ``x`` and ``validation_data`` is read by batch index, its order drawn as one
+    process draws it (``_keras_internals/py_dataset_reading.py``): through Keras's shared loader the strategy's
+    prefetch raced it (issue 29). Raises one KerasdistError, naming ``word``, where that reading cannot be one
+    process's order. A generator's batches are copied: Keras hands them to TensorFlow without a copy, and under
+    such a strategy a kernel wrote into the user's arrays (targets changed in place, 0.11 off after 3 epochs).
+    Call from ``kerasdist_adjust_call``."""
+    import keras
+
+    from ._keras_internals.py_dataset_reading import read_by_index
+
+    inputs = [("x", call_kwargs.get("x"), call_kwargs.get("steps_per_epoch" if method == "fit" else "steps"))]
+    if method == "fit":
+        inputs.append(("validation_data", call_kwargs.get("validation_data"), call_kwargs.get("validation_steps")))
+    for name, value, steps in inputs:
+        if input_kind(value) == "generator":
+            call_kwargs[name] = _copied_batches(value)
+        if not isinstance(value, keras.utils.PyDataset):
+            continue
+        shuffled = method == "fit" and name == "x" and call_kwargs.get("shuffle", True)
+        threaded = value.workers > 1 or (value.workers > 0 and value.use_multiprocessing)
+        if (steps is not None and shuffled) or not (read_by_index(value) or not threaded):
+            raise KerasdistError(
+                f"distribute={word!r}: {method}({name}=a keras.utils.PyDataset"
+                + (f" with workers={value.workers}" if threaded else "")
+                + (f", shuffle=True and {'steps_per_epoch' if method == 'fit' else 'steps'}={steps}"
+                   if steps is not None and shuffled else "")
+                + ") cannot be read in one process's batch order: the strategy's prefetch races Keras's shared "
+                "loader. Pass a tf.data pipeline (tf.data.Dataset.range(n).map(...) reading your batches, or "
+                "from_tensor_slices), " + ("leave steps_per_epoch out or pass shuffle=False, " if steps else "")
+                + "or use distribute=\"multiworker\" (exact for PyDatasets).")
+
+
+def _copied_batches(generator):
+    import keras
+    import numpy as np
+
+    for batch in generator:
+        yield keras.tree.map_structure(lambda leaf: np.array(leaf) if isinstance(leaf, np.ndarray) else leaf, batch)
 
 # -- custom training steps (any backend) ---------------------------------------------------------
 
