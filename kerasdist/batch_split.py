@@ -248,6 +248,34 @@ def _part_of_each_batch(dataset, part):
     return PartOfEachBatch()
 
 
+def in_shared_order(dataset, seed):
+    """``dataset`` (a ``keras.utils.PyDataset``) with its batches in an order shuffled each epoch from ``seed``: the
+    same in every process given the same seed (not one process's order: for processes whose Python ``random``
+    states differ, where Keras's own shuffle would differ). Feed it with ``shuffle=False``."""
+    import keras
+    import numpy as np
+
+    class SharedOrder(keras.utils.PyDataset):
+        def __init__(self):
+            super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
+                             max_queue_size=dataset.max_queue_size)
+            self.epoch = 0
+            self.order = np.random.default_rng([seed, 0]).permutation(len(dataset))
+
+        def __len__(self):
+            return len(dataset)
+
+        def __getitem__(self, index):
+            return dataset[int(self.order[index])]
+
+        def on_epoch_end(self):
+            dataset.on_epoch_end()
+            self.epoch += 1
+            self.order = np.random.default_rng([seed, self.epoch]).permutation(len(dataset))
+
+    return SharedOrder()
+
+
 #: DataLoader arguments that decide its batches: given anew (the batch sampler, or the batch size of an iterable)
 _BATCHING = ("dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
 

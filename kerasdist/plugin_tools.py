@@ -25,8 +25,8 @@ from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replica
                                set_log_summer, symbolic_build, tf_context_initialized, unbound_from_strategy,
                                variable_layout, weight_replicas_by_batch_share)
 from . import process_state
-from .batch_split import (arrays_as_dataset, as_arrays, input_kind, is_dataset, seed_shuffling_samplers,
-                          split_batches, split_validation)
+from .batch_split import (arrays_as_dataset, as_arrays, in_shared_order, input_kind, is_dataset,
+                          seed_shuffling_samplers, split_batches, split_validation)
 import kerasdist.private_backups as private_backups  # not "from . import": kerasdist.__getattr__ looks up plugins
 from ._keras_internals.torch import (compiled_metrics, keep_keras_from_wrapping_ddp, keras_wraps_ddp,
                                      local_metrics_result, synchronize_torch_batch_norm)
@@ -50,6 +50,7 @@ __all__ = [
     "input_kind", "unique_variables", "local_replica_devices",
     # do all ranks hold the same random state? (one process's shuffle order)
     "digest_pieces", "int_pieces", "same_everywhere", "python_random_same_everywhere", "sum_by_all_gather",
+    "in_shared_order",
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # process-wide state (one home, one reset): process_state.slot / on_reset / reset
     "process_state",

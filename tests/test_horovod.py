@@ -398,6 +398,46 @@ def test_ranks_compare_random_states_exactly_by_an_all_gather():
     assert not same_everywhere(digest_pieces(second), ranks_holding(second, first, first), 3)
 
 
+@pytest.mark.parametrize("same_random", [True, False])
+def test_py_datasets_generators_and_dataloaders_are_split_between_ranks(monkeypatch, same_random):
+    """Issue 29: horovod handed a PyDataset, generator or DataLoader of global batches whole to every rank (with a
+    warning): each rank trained the whole batch. Now each rank takes its rows of every batch, as with a tf.data
+    dataset; a fit-shuffled PyDataset keeps Keras's own shuffle only where every rank's Python random state is the
+    same (checked here without processes: rank 1 of 2)."""
+    import horovod.tensorflow as hvd
+    import keras
+    import torch
+
+    import kerasdist
+    from kerasdist_plugins.horovod.data import split_call_data
+
+    monkeypatch.setattr(hvd, "size", lambda: 2)
+    monkeypatch.setattr(hvd, "rank", lambda: 1)
+    monkeypatch.setattr(plugin, "_shared_seed", lambda hvd: 3)
+    spec = kerasdist.horovod()
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, index):
+            return np.arange(4) + 4 * index, np.zeros(4)
+
+    def prepare(value, kind):
+        return plugin.kerasdist_prepare_dataset(dataset=value, kind=kind, method="fit", spec=spec)
+
+    part = prepare(Batches(), "py_dataset")
+    assert [part[i][0].tolist() for i in range(2)] == [[2, 3], [6, 7]]
+    generated = prepare((b for b in Batches()), "generator")
+    assert [x.tolist() for x, _ in generated] == [[2, 3], [6, 7]]
+    loader = torch.utils.data.DataLoader(torch.arange(8), batch_size=4, shuffle=True)
+    rows = [batch.tolist() for batch in prepare(loader, "torch_dataloader")]
+    assert len(rows) == 2 and all(len(r) == 2 for r in rows)
+    call = dict(x=part, shuffle=True)
+    split_call_data(call, 1, 2, "fit", seed=5, same_python_random=lambda: same_random)
+    assert (call["x"] is part and call["shuffle"] is True) if same_random else call["shuffle"] is False
+
+
 def test_detects_horovodrun_and_auto_picks_horovod(system):
     import kerasdist
 

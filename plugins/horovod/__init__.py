@@ -171,9 +171,12 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
 # -- fit / evaluate: data, callbacks ------------------------------------------------
 
 @kerasdist.hookimpl
-def kerasdist_prepare_dataset(dataset, method, spec):
-    if not isinstance(spec, Horovod) or not spec.shard or method == "predict" or not is_dataset(dataset):
+def kerasdist_prepare_dataset(dataset, kind, method, spec):
+    if not isinstance(spec, Horovod) or not spec.shard or method == "predict":
         return None
+    if not is_dataset(dataset) and (spec.batch_size_per_worker or kind not in ("py_dataset", "generator",
+                                                                                 "torch_dataloader")):
+        return None  # batch_size_per_worker: only tf.data datasets are sharded (others: a warning)
     import horovod.tensorflow as hvd
 
     if hvd.size() == 1:
@@ -182,8 +185,10 @@ def kerasdist_prepare_dataset(dataset, method, spec):
         from .data import shard_dataset
 
         return shard_dataset(dataset, hvd.rank(), hvd.size(), method)
-    from kerasdist.plugin_tools import split_batches
+    from kerasdist.plugin_tools import seed_shuffling_samplers, split_batches
 
+    if kind == "torch_dataloader":  # every rank must slice the same batch
+        seed_shuffling_samplers(dataset, _shared_seed(hvd))
     return split_batches(dataset, hvd.rank(), hvd.size())
 
 
@@ -215,7 +220,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
         else:
             shuffles = method == "fit" and call_kwargs.get("shuffle", True)
             split_call_data(call_kwargs, rank, size, method, _shared_seed(hvd) if method == "fit" else None,
-                            keras_order=bool(shuffles) and _same_global_seed(hvd))
+                            keras_order=bool(shuffles) and _same_global_seed(hvd),
+                            same_python_random=lambda: _same_python_random(hvd))
     if spec.average_metrics and method == "fit":
         callbacks.insert(0, MetricAverageCallback())
     if method == "fit":
@@ -240,6 +246,14 @@ def _same_global_seed(hvd):
 
     seeds = hvd.allgather_object(tf_global_seed(), name="kerasdist_global_seeds")
     return seeds[0] is not None and all(seed == seeds[0] for seed in seeds)
+
+
+def _same_python_random(hvd):
+    """Whether every rank's Python ``random`` state (Keras's PyDataset shuffle draws from it) is the same."""
+    from kerasdist.plugin_tools import python_random_same_everywhere, sum_by_all_gather
+
+    gather = sum_by_all_gather(lambda value: hvd.allgather_object(value, name="kerasdist_random_states"))
+    return python_random_same_everywhere(gather, hvd.size())
 
 
 @kerasdist.hookimpl

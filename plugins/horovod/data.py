@@ -9,7 +9,8 @@ import math
 import warnings
 
 import kerasdist
-from kerasdist.plugin_tools import arrays_as_dataset, input_kind, is_dataset, split_batches, split_validation
+from kerasdist.plugin_tools import (arrays_as_dataset, in_shared_order, input_kind, is_dataset, split_batches,
+                                    split_validation)
 
 
 def shard_dataset(dataset, rank, size, what="fit"):
@@ -73,13 +74,19 @@ def shard_arrays(arrays, batch_size, rank, size, what="fit"):
 
 
 
-def split_call_data(call_kwargs, rank, size, method, seed, keras_order=False):
+def split_call_data(call_kwargs, rank, size, method, seed, keras_order=False, same_python_random=None):
     """``batch_size`` is the global batch: each rank takes its part of every batch (arrays are fed as
     a dataset shuffled alike on every rank with ``seed``; ``keras_order``, every rank having one global seed:
-    by Keras's own shuffle, one process's order); validation arrays likewise."""
+    by Keras's own shuffle, one process's order); validation arrays likewise. A shuffled PyDataset keeps Keras's
+    own shuffle where ``same_python_random()`` (a collective) says every rank draws it alike, else ``seed``'s."""
+    import keras
+
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
     x = call_kwargs.get("x")
-    if is_dataset(x):
+    if shuffle is not None and isinstance(x, keras.utils.PyDataset) and not (same_python_random
+                                                                             and same_python_random()):
+        call_kwargs.update(x=in_shared_order(x, shuffle), shuffle=False)
+    elif input_kind(x) is not None:
         pass  # split by kerasdist_prepare_dataset already
     elif arrays_as_dataset(call_kwargs, shuffle, method, keras_order=keras_order):
         call_kwargs["x"] = split_batches(call_kwargs["x"], rank, size)

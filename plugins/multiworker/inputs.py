@@ -4,9 +4,9 @@ global batch, as under the strategy), from batches every worker reads alike; an 
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import (arrays_as_dataset, input_kind, int_pieces, python_random_same_everywhere,
-                                    same_everywhere, seed_shuffling_samplers, split_batches, split_validation,
-                                    tf_global_seed)
+from kerasdist.plugin_tools import (arrays_as_dataset, in_shared_order, input_kind, int_pieces,
+                                    python_random_same_everywhere, same_everywhere, seed_shuffling_samplers,
+                                    split_batches, split_validation, tf_global_seed)
 
 
 def split_call_data(call_kwargs, ring, method, seed):
@@ -18,7 +18,7 @@ def split_call_data(call_kwargs, ring, method, seed):
     x = call_kwargs.get("x")
     shuffle = seed if method == "fit" and call_kwargs.get("shuffle", True) else None
     if shuffle is not None and isinstance(x, keras.utils.PyDataset) and not _same_python_random(ring):
-        call_kwargs.update(x=_in_shared_order(x, shuffle), shuffle=False)  # Keras's own shuffle differs per worker
+        call_kwargs.update(x=in_shared_order(x, shuffle), shuffle=False)  # Keras's own shuffle differs per worker
     if x is not None and input_kind(x) is None:
         keras_order = shuffle is not None and _same_global_seed(ring)
         if not arrays_as_dataset(call_kwargs, shuffle, method, keras_order=keras_order):
@@ -54,31 +54,6 @@ def _same_python_random(ring):
     ``keras.utils.set_random_seed``): then Keras's own shuffle of a PyDataset's batches (``random.shuffle``) draws
     one process's order on every worker; else the workers share ``shuffle_seed``'s order. One small ring message."""
     return python_random_same_everywhere(ring.sum_arrays, ring.size)
-
-
-def _in_shared_order(dataset, seed):
-    """``dataset``'s batches in an order shuffled each epoch from ``seed``: the same on every worker."""
-    import numpy as np
-
-    class SharedOrder(keras.utils.PyDataset):
-        def __init__(self):
-            super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
-                             max_queue_size=dataset.max_queue_size)
-            self.epoch = 0
-            self.order = np.random.default_rng([seed, 0]).permutation(len(dataset))
-
-        def __len__(self):
-            return len(dataset)
-
-        def __getitem__(self, index):
-            return dataset[int(self.order[index])]
-
-        def on_epoch_end(self):
-            dataset.on_epoch_end()
-            self.epoch += 1
-            self.order = np.random.default_rng([seed, self.epoch]).permutation(len(dataset))
-
-    return SharedOrder()
 
 
 def split_dataset(dataset, kind, ring, seed):
