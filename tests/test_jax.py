@@ -91,6 +91,8 @@ def test_bad_input_save_load_auto_and_own_layouts(tmp_path):
         "unknown_axis": ("KerasdistError", ["names the axis 'tensor'", "lacks"]),
         "not_divisible": ("KerasdistError", ["d1/kernel of shape (16, 30)", "axis 'model'", "axis size 4"]),
         "batch_not_divisible": ("KerasdistError", ["batch_size=7", "axis 'batch' of size 2"]),
+        "unbuilt_hybrid": ("KerasdistError", ["hybrid: the model is not built", "keras.Input(shape)",
+                                              "model.build(input_shape)"]),
         "tf_only_mirrored": ("BackendError", ["'mirrored'", "'jax'", "work on 'jax': data_parallel, hybrid"]),
         "tf_only_horovod": ("BackendError", ["'horovod'", "'jax'"]),
         "tf_only_ps": ("BackendError", ["'ps'", "'jax'"]),
@@ -108,6 +110,8 @@ def test_bad_input_save_load_auto_and_own_layouts(tmp_path):
     assert save["plain_diff"] <= 1e-6 and save["sharded_diff"] <= 1e-6
     assert save["sharded_spec"] == save["reloaded_spec"] == "P(None, 'model')"
     assert results["own_layout"] == "P('model', None)"  # built under the user's distribution: kept
+    late = results["unbuilt_late_build"]  # built after compile by model.build: replicated on all 8, saved, loaded
+    assert late["spec"] == "P(None, None)" and late["devices"] == 8 and late["reload_diff"] <= 1e-6, late
 
 
 def test_hybrid_on_tensorflow_names_the_backend_and_what_works():

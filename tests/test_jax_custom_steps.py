@@ -19,7 +19,7 @@ ENV = {"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_co
 #: Each trains as one device; over several processes also "unseeded_shuffled_arrays", and
 #: "per_process_shuffle" is one clear error.
 CASES = ("first_guide", "lower_level_guide", "test_step_guide", "compiled_user_metric", "transfer_learning",
-         "model_parallel_guide", "added_losses")
+         "model_parallel_guide", "added_losses", "unbuilt_sequential")
 
 
 def _results(out, processes):

@@ -4,7 +4,8 @@ On JAX, Keras's own ``keras.distribution`` (DeviceMesh, LayoutMap, DataParallel,
 ``set_distribution`` before the model is built. kerasdist moves a model built anywhere instead: at compile
 each variable gets the layout the spec gives (replicated for data parallelism, sharded by the layout or
 the default rule for hybrid parallelism) and its value is placed there; ``fit``/``evaluate``/``predict``
-then run inside the distribution's scope, which splits each batch along the batch axis. Variables that
+then run inside the distribution's scope, which splits each batch along the batch axis (and, for
+"data_parallel", makes replicated the variables of a model not built at compile, as Keras builds it). Variables that
 already have a layout (a model built under the user's own distribution) keep it. A ``keras.distribution``
 ``DataParallel``/``ModelParallel`` object passed as ``distribute=`` is turned into the equivalent spec
 (``spec_of_distribution``) and takes the same path, its own mesh and batch axis kept.
@@ -179,9 +180,11 @@ def kerasdist_prepare_model(model, strategy, spec):
     if spec is None:
         return
     if not model.built:
-        raise kerasdist.KerasdistError(
-            f"{spec.name}: the model is not built, so its variables cannot be placed; give it an Input "
-            "(keras.Input(shape)) or call it on a batch before compile.")
+        if isinstance(spec, Hybrid):
+            raise kerasdist.KerasdistError(
+                f"{spec.name}: the model is not built, so its variables cannot be sharded (the layout needs their "
+                "shapes); give it an Input (keras.Input(shape)) or call model.build(input_shape) before compile.")
+        return  # replicated whatever the shapes: built later inside the distribution's scope (kerasdist_run_call)
     import keras
 
     variables = list(model.variables)

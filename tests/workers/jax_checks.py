@@ -52,6 +52,28 @@ def odd_batch():
 
 results["batch_not_divisible"] = attempt(odd_batch)
 
+
+def unbuilt():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.layers.Dense(64, name="d1"), keras.layers.Dense(8, name="d2")])
+
+
+results["unbuilt_hybrid"] = attempt(lambda: unbuilt().compile(loss="mse", distribute=kerasdist.hybrid(
+    mesh={"batch": 2, "model": 4})))
+# not built at compile, built by an explicit model.build: compile -> build -> fit -> evaluate -> save -> load_model
+late = unbuilt()
+late.compile(loss="mse", optimizer="sgd", distribute="data_parallel")
+late.build((None, 16))
+late.fit(x, y, batch_size=16, epochs=1, verbose=0)
+late.evaluate(x, y, batch_size=16, verbose=0)
+late.save(sys.argv[1] + ".late.keras")
+late_again = keras.models.load_model(sys.argv[1] + ".late.keras")
+results["unbuilt_late_build"] = {
+    "spec": str(late.layers[0].kernel.value.sharding.spec),
+    "devices": len(late.layers[0].kernel.value.sharding.device_set),
+    "reload_diff": float(np.max(np.abs(np.asarray(late_again.predict(x, batch_size=16, verbose=0))
+                                       - np.asarray(late.predict(x, batch_size=16, verbose=0)))))}
+
 auto = model()
 auto.compile(loss="mse", optimizer="sgd", distribute="auto")
 results["auto"] = type(kerasdist.strategy_of(auto)).__name__

@@ -143,6 +143,12 @@ class AddedLosses(keras.layers.Layer):
         return x
 
 
+def unbuilt_model():
+    """TensorFlow's "Load and preprocess images" shape: a Sequential with no Input, built by the first fit."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
+
+
 def added_losses_model():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((8,))
@@ -180,6 +186,9 @@ CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: no
         model=frozen_base_model, unfreeze="base",
         compile=dict(loss="binary_crossentropy", metrics=[keras.metrics.BinaryAccuracy(name="acc")]),
         fit=lambda: arrays(LABELS), evaluate=None),
+    # not built at compile: its variables are made, replicated, when fit builds it (as under set_distribution)
+    "unbuilt_sequential": dict(model=unbuilt_model, compile=dict(loss="mse"), fit=arrays,
+                               evaluate=lambda: arrays(rows=224)),
     # a regularizer and add_loss of a mean, a Loss and a sum: one program over the global batch, all exact
     "added_losses": dict(model=added_losses_model, compile=dict(loss="mse"), fit=arrays, evaluate=None),
     # the batch not split (a batch axis of 1): over two processes both feed every row
