@@ -75,21 +75,14 @@ BACKEND_OF = {**{row: backend for row, (backend, _) in ROWS.items()}, **{r: b fo
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 #: (column, row) cells that do not pass yet, with why (measured 2026-11-27); every other cell is asserted. Add an
 #: entry (and its reason) only for a cell that cannot pass yet. RACY: those that pass in some runs (xfail, not strict).
-RACE = ("PyDataset(workers=4) under a tf.distribute strategy in one process: Keras makes the next epoch's (or "
-        "evaluation's) iterator before it stops the loader, whose queued batches reach it rotated (docs/equivalence.md)"
-        "; {}")
 NOT_YET = {
     ("input_py_dataset", "torch_data_parallel"): (
         "PyDataset(workers=4): the ranks draw one process's shuffles (the same random.shuffle calls on the same "
         "state), but one process's Keras reads its batches rotated by one (the build read's enqueuer stream goes "
         "on: each epoch reads the last pass's batches 2..5, then the new pass's first; unshuffled: 16, 32, 48, 64, "
         "0) (max |dw| 0.028; workers=1 in one process trains to the ranks' weights exactly)"),
-    ("input_py_dataset", "mirrored"): RACE.format("max |dw| 0.052 in 2 runs of 6 with or without validation_data, "
-                                                  "val_loss off by up to 0.43"),
-    ("input_py_dataset", "central_storage"): RACE.format("max |dw| 0.026, val_loss off by 0.41 and 0.15, "
-                                                         "in 2 runs of 4"),
 }
-RACY = {("input_py_dataset", "mirrored"), ("input_py_dataset", "central_storage")}
+RACY = set()
 needs_horovod = run_if(horovod=True)
 
 
