@@ -59,9 +59,6 @@ JAX_NOT_REPRODUCIBLE = ("the transfer guide is not reproducible in one plain JAX
                         "process, each after keras.utils.set_random_seed(1337), its weights differ by up to 4.6e-4 "
                         "(TensorFlow: 0); data_parallel was within 1.3e-6 of the plain run in 4 full runs of 5, 1.1e-3 "
                         "in the fifth")
-JAX_UNBUILT = ("data_parallel refuses the tutorial's Sequential without an Input at compile (KerasdistError 'the "
-               "model is not built, so its variables cannot be placed'); stock keras.distribution places the "
-               "variables when fit builds the model")
 
 #: (word, guide) -> (fits whose weights differ, fits whose history differs from one process's, the reason)
 KNOWN = {
@@ -74,7 +71,7 @@ KNOWN = {
        for word in ("mirrored", "central_storage", "multiworker", "horovod", "torch-data_parallel")},
 }
 #: (word, guide) -> why it stops with an error
-STOPS = {("jax-data_parallel", IMAGES): JAX_UNBUILT}
+STOPS = {}
 #: (word, guide) -> why one process's run is not a fixed reference (a non-strict xfail)
 FLAKY = {("jax-data_parallel", TRANSFER): JAX_NOT_REPRODUCIBLE}
 
