@@ -59,15 +59,18 @@ def _original(piece):
 
 
 def _is_indexed(adapter):
-    return adapter.py_dataset in _INDEXED and adapter.py_dataset.num_batches is not None
+    """Registered, of known length, and whole (3.16 can shard a PyDataset's batches: Keras's own way then)."""
+    return (adapter.py_dataset in _INDEXED and adapter.py_dataset.num_batches is not None
+            and getattr(adapter, "_num_data_shards", 1) == 1)
 
 
 def _on_epoch_begin(adapter):
     _original("py_dataset_epoch_begin")(adapter)
     if _is_indexed(adapter):
         order = list(range(adapter.py_dataset.num_batches))
-        if adapter.shuffle:
-            random.shuffle(order)  # as Keras's loader draws it, once per epoch
+        if adapter.shuffle:  # as Keras's loader draws it, once per epoch: Python's random (3.15), or a
+            epoch = getattr(adapter, "_epoch", None)  # random.Random seeded by the adapter's epoch count (3.16)
+            (random if epoch is None else random.Random(epoch)).shuffle(order)
         setattr(adapter, _ORDER_ATTR, order)
 
 
