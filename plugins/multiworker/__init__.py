@@ -233,7 +233,9 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if _strategy_free(strategy):
         return _adjust_strategy_free_call(method, call_kwargs, model, spec)
     from . import workers
+    from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
 
+    read_py_datasets_in_one_processs_order(method, call_kwargs, "multiworker")  # MWMS prefetches as Mirrored does
     if method in ("fit", "evaluate"):
         ring = use_ring(model, strategy, method)
     index = None
