@@ -240,8 +240,8 @@ def read_py_datasets_in_one_processs_order(method, call_kwargs, word):
     ``keras.utils.PyDataset`` among ``x`` and ``validation_data`` is read by batch index, its order drawn as one
     process draws it (``_keras_internals/py_dataset_reading.py``): through Keras's shared loader the strategy's
     prefetch raced it (issue 29). Raises one KerasdistError, naming ``word``, where that reading cannot be one
-    process's order. A generator's batches are copied: Keras hands them to TensorFlow without a copy, and under
-    such a strategy a kernel wrote into the user's arrays (targets changed in place, 0.11 off after 3 epochs).
+    process's order. A generator's batches (fit's x) are copied: Keras hands them to TensorFlow without a copy,
+    and under such a strategy the user's arrays were written in place (targets changed, 0.11 off after 3 epochs).
     Call from ``kerasdist_adjust_call``."""
     import keras
 
@@ -251,8 +251,8 @@ def read_py_datasets_in_one_processs_order(method, call_kwargs, word):
     if method == "fit":
         inputs.append(("validation_data", call_kwargs.get("validation_data"), call_kwargs.get("validation_steps")))
     for name, value, steps in inputs:
-        if input_kind(value) == "generator":
-            call_kwargs[name] = _copied_batches(value)
+        if method == "fit" and name == "x" and input_kind(value) == "generator":
+            call_kwargs[name] = _copied_batches(value)  # not validation_data: see docs/equivalence.md
         if not isinstance(value, keras.utils.PyDataset):
             continue
         shuffled = method == "fit" and name == "x" and call_kwargs.get("shuffle", True)
