@@ -43,18 +43,6 @@ DROPOUT_AND_BN = ("Dropout(0.2) draws each replica's mask for its own share (one
                   "batch), and once unfrozen the base's BatchNormalization trains with each share's moments (Keras "
                   "3.15 passes fit's training=True through the guide's base_model(x, training=False)); max |dw| "
                   "9.4e-4 after the frozen phase, 1.2e-3 at the end (torch: 1.2e-3, then 1.4e-3 to 1.9e-3)")
-PY_DATASET_ORDER = ("fit(shuffle=True) of a PyDataset under strategy-free multiworker takes kerasdist's seeded batch "
-                    "order, not one process's (docs/equivalence.md): max |dw| 1.2e-2; and one process's shuffle "
-                    "draws from Python's random (Keras's PyDataset adapter), which kerasdist's order leaves "
-                    "untouched, so every later model in the script gets other initial weights (Keras draws them "
-                    "from it too): 0.55")
-TORCH_ARRAY_ORDER = ("torch data_parallel shuffles NumPy arrays and a PyDataset's batches (fit's default shuffle=True) "
-                     "by a permutation from a seed rank 0 draws (plugins/torch_distributed/data.py shared_seed), not "
-                     "one process's: max |dw| 7.1e-3, 4.9e-5, 1.2e-2 (arrays), 8.7e-3 (PyDataset; with shuffle=False "
-                     "3e-8); one process's PyDataset shuffle draws from Python's random, which Keras draws initial "
-                     "weights from, so every later model starts elsewhere (0.53 to 0.61); the add_loss sum (0.165). "
-                     "Before 4a02e92 every model after the first fit started elsewhere (a collective on fit's meta "
-                     "tensors drew from Python's random)")
 JAX_NOT_REPRODUCIBLE = ("the transfer guide is not reproducible in one plain JAX process: run three times in one "
                         "process, each after keras.utils.set_random_seed(1337), its weights differ by up to 4.6e-4 "
                         "(TensorFlow: 0); data_parallel was within 1.3e-6 of the plain run in 4 full runs of 5, 1.1e-3 "
@@ -63,10 +51,8 @@ JAX_NOT_REPRODUCIBLE = ("the transfer guide is not reproducible in one plain JAX
 #: (word, guide) -> (fits whose weights differ, fits whose history differs from one process's, the reason)
 KNOWN = {
     ("mirrored", BUILT_IN): ((ACTIVITY_SUM,), (TRUE_POSITIVES, ACTIVITY_SUM), ADD_LOSS_SUM + "; " + PAIR_COUNT),
-    ("multiworker", BUILT_IN): ((ACTIVITY_SUM, *range(PY_DATASET, 11)), (TRUE_POSITIVES, ACTIVITY_SUM,
-                                *range(PY_DATASET, 11)), ADD_LOSS_SUM + "; " + PAIR_COUNT + "; " + PY_DATASET_ORDER),
-    ("torch-data_parallel", BUILT_IN): ((0, 1, 2, ACTIVITY_SUM, *range(PY_DATASET, 11)),
-                                        (0, 1, 2, ACTIVITY_SUM, *range(PY_DATASET, 11)), TORCH_ARRAY_ORDER),
+    ("multiworker", BUILT_IN): ((ACTIVITY_SUM,), (TRUE_POSITIVES, ACTIVITY_SUM), ADD_LOSS_SUM + "; " + PAIR_COUNT),
+    ("torch-data_parallel", BUILT_IN): ((ACTIVITY_SUM,), (TRUE_POSITIVES, ACTIVITY_SUM), ADD_LOSS_SUM + "; " + PAIR_COUNT),
     **{(word, TRANSFER): ((0, 1), (0, 1), DROPOUT_AND_BN)
        for word in ("mirrored", "central_storage", "multiworker", "horovod", "torch-data_parallel")},
 }
@@ -229,8 +215,8 @@ def test_known_differences_from_one_process(request, word, guide):
     """The fits KNOWN lists: each must differ until the reason is fixed (then move it out of KNOWN)."""
     figures, _, _ = _compared(request, word, guide)
     weights_off, history_off, _ = KNOWN[word, guide]
-    assert max(figures[i][0] for i in weights_off) <= TOLERANCE
-    assert max(figures[i][1] for i in history_off) <= TOLERANCE
+    listed = [figures[i][0] for i in weights_off] + [figures[i][1] for i in history_off]
+    assert min(listed) <= TOLERANCE  # passes (a strict xfail: fails) as soon as one listed fit matches
 
 
 @pytest.mark.timeout(900)
