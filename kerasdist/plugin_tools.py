@@ -266,7 +266,8 @@ def read_py_datasets_in_one_processs_order(method, call_kwargs, word):
                 + ") cannot be read in one process's batch order: the strategy's prefetch races Keras's shared "
                 "loader. Pass a tf.data pipeline (tf.data.Dataset.range(n).map(...) reading your batches, or "
                 "from_tensor_slices), " + ("leave steps_per_epoch out or pass shuffle=False, " if steps else "")
-                + "or use distribute=\"multiworker\" (exact for PyDatasets).")
+                + ("or let multiworker train strategy-free (unset KERASDIST_STRATEGY_FREE=off; exact for PyDatasets)."
+                   if word == "multiworker" else "or use distribute=\"multiworker\" (exact for PyDatasets)."))
 
 
 def _copied_batches(generator):

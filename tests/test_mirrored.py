@@ -365,3 +365,13 @@ def test_a_models_own_predict_step_is_left_alone():
     got = mirrored.predict(x, batch_size=4, verbose=0)
     assert got.shape == expected.shape == (8, 2)
     np.testing.assert_allclose(np.sort(got, 0), np.sort(expected, 0), atol=1e-6)
+
+
+def test_the_py_dataset_refusal_under_multiworkers_strategy_step_names_strategy_free_not_its_own_word():
+    """The same reading serves multiworker with KERASDIST_STRATEGY_FREE=off: its fix is the strategy-free step."""
+    from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
+
+    x, y = _data(70)
+    call = {"x": _GlobalBatches(x, y, workers=4), "steps_per_epoch": 7, "shuffle": True}
+    with pytest.raises(kerasdist.KerasdistError, match=r"multiworker.*strategy-free \(unset KERASDIST_STRATEGY_FREE"):
+        read_py_datasets_in_one_processs_order("fit", call, "multiworker")
