@@ -11,12 +11,12 @@ import hashlib
 import pickle
 import random
 
-import numpy as np
-
 
 def digest_pieces(*states):
     """A 64-bit digest of ``states`` (anything picklable, or arrays/tensors with ``.numpy()``) as four 16-bit
     pieces in float64: their sums and sums of squares over up to 2**20 ranks are exact."""
+    import numpy as np  # imported when used: `kerasdist plugins` runs without NumPy
+
     digest = hashlib.sha256()
     for state in states:
         digest.update(np.asarray(state.numpy()).tobytes() if hasattr(state, "numpy") else pickle.dumps(state))
@@ -26,6 +26,8 @@ def digest_pieces(*states):
 
 def int_pieces(value):
     """An integer's low 64 bits as four 16-bit pieces in float64 (NaN for ``None``: never the same)."""
+    import numpy as np  # imported when used: `kerasdist plugins` runs without NumPy
+
     if value is None:
         return np.full(4, np.nan)
     bits = int(value) % 2 ** 64
@@ -35,6 +37,8 @@ def int_pieces(value):
 def same_everywhere(mine, sum_arrays, size):
     """Whether every one of ``size`` ranks holds ``mine`` (pieces from :func:`digest_pieces`): sum x_i = n m and
     sum x_i^2 = n m^2 give sum (x_i - m)^2 = 0. Every rank must call it at the same point."""
+    import numpy as np  # imported when used: `kerasdist plugins` runs without NumPy
+
     mine = np.asarray(mine, dtype=np.float64)
     total, squares = (np.asarray(a, dtype=np.float64) for a in sum_arrays(mine, mine ** 2))
     return bool(np.all(total == mine * size) and np.all(squares == mine ** 2 * size))
@@ -48,6 +52,8 @@ def python_random_same_everywhere(sum_arrays, size):
 def sum_by_all_gather(all_gather_object):
     """A ``sum_arrays`` from an all-gather of Python objects (``horovod.allgather_object``, torch's
     ``all_gather_object`` wrapped to return the list)."""
+    import numpy as np  # imported when used: `kerasdist plugins` runs without NumPy
+
     def sum_arrays(*arrays):
         gathered = all_gather_object([np.asarray(a).tolist() for a in arrays])
         return [np.sum([np.asarray(rank[i], dtype=np.float64) for rank in gathered], axis=0)
