@@ -48,10 +48,14 @@ def build_from_input_structure(model, strategy, iterator):
     _metrics_under(model, strategy)
 
 
-def _metrics_under(model, strategy):
-    from .strategy_binding import move_metrics_to_strategy  # it imports this module
+#: strategy_binding.move_metrics_to_strategy, set by strategy_binding when it is imported (it imports this module:
+#: a registration, not an import back, keeps the modules acyclic)
+METRICS_MOVER = []
 
-    move_metrics_to_strategy(model, strategy)
+
+def _metrics_under(model, strategy):
+    for move in METRICS_MOVER:
+        move(model, strategy)
 
 
 def _build_from_first_batch(model, strategy, iterator):

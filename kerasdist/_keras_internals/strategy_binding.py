@@ -14,7 +14,7 @@ import contextlib
 from ..variables import unique_variables
 from . import versions
 from .losses import install_single_loss_scaling
-from .multiworker_fit import MOVED_ATTR, install_multiworker_fit_fixes, is_multiworker_strategy
+from .multiworker_fit import METRICS_MOVER, MOVED_ATTR, install_multiworker_fit_fixes, is_multiworker_strategy
 
 _MODEL_STRATEGY_ATTR = "_distribute_strategy"
 _OPTIMIZER_STRATEGY_ATTR = "_distribution_strategy"
@@ -300,6 +300,9 @@ def move_metrics_to_strategy(model, strategy):
     cannot see it until Keras builds the compiled metrics at the first ``fit``. Left plain, each worker of a
     MultiWorkerMirroredStrategy read its own share's state: the epoch logs differed per rank (issue 29)."""
     _move_variables(unique_variables(_metric_variables(model)), strategy)
+
+
+METRICS_MOVER[:] = [move_metrics_to_strategy]
 
 
 def _piece_users(strategy):
