@@ -251,6 +251,12 @@ def read_py_datasets_in_one_processs_order(method, call_kwargs, word):
     if method == "fit":
         inputs.append(("validation_data", call_kwargs.get("validation_data"), call_kwargs.get("validation_steps")))
     for name, value, steps in inputs:
+        if name == "validation_data" and input_kind(value) == "generator" and word != "multiworker":
+            raise KerasdistError(
+                f"distribute={word!r}: fit(validation_data=a generator) cannot be read in one process's order: each "
+                "evaluation's prefetching iterator under this strategy may take the generator's batches (val_loss "
+                "measured 0.44 off, weights exact). Pass validation_data as arrays, a tf.data.Dataset or a "
+                "keras.utils.PyDataset, or use distribute=\"multiworker\".")
         if method == "fit" and name == "x" and input_kind(value) == "generator":
             call_kwargs[name] = _copied_batches(value)  # not validation_data: see docs/equivalence.md
         if not isinstance(value, keras.utils.PyDataset):

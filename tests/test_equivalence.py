@@ -76,6 +76,10 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 #: (column, row) cells that do not pass yet, with why (measured 2026-11-27); every other cell is asserted. Add an
 #: entry (and its reason) only for a cell that cannot pass yet. RACY: those that pass in some runs (xfail, not strict).
 NOT_YET = {
+    **{("input_generator", row): ("refused: a generator as validation_data under a strategy of several replicas in "
+                                  "one process raises (each evaluation's prefetching iterator may take its batches: "
+                                  "val_loss 0.44 off in one fresh-clone run, weights exact)")
+       for row in ("mirrored", "central_storage")},
     ("input_py_dataset", "torch_data_parallel"): (
         "PyDataset(workers=4): the ranks draw one process's shuffles (the same random.shuffle calls on the same "
         "state), but one process's Keras reads its batches rotated by one (the build read's enqueuer stream goes "

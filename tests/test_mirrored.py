@@ -375,3 +375,13 @@ def test_the_py_dataset_refusal_under_multiworkers_strategy_step_names_strategy_
     call = {"x": _GlobalBatches(x, y, workers=4), "steps_per_epoch": 7, "shuffle": True}
     with pytest.raises(kerasdist.KerasdistError, match=r"multiworker.*strategy-free \(unset KERASDIST_STRATEGY_FREE"):
         read_py_datasets_in_one_processs_order("fit", call, "multiworker")
+
+
+def test_a_generator_as_validation_data_is_refused_naming_the_inputs_that_work():
+    """Each evaluation's prefetching iterator may take the generator's batches: val_loss raced (0.44 off)."""
+    from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
+
+    x, y = _data(70)
+    call = {"x": x, "y": y, "validation_data": ((x[:16], y[:16]) for _ in range(3))}
+    with pytest.raises(kerasdist.KerasdistError, match=r"validation_data=a generator.*PyDataset.*multiworker"):
+        read_py_datasets_in_one_processs_order("fit", call, "mirrored")
