@@ -208,6 +208,7 @@ def test_a_shuffled_fit_after_set_random_seed_trains_in_one_processs_order(two_r
 def test_a_shuffled_fit_without_a_common_random_state_trains_alike_in_every_rank(two_ranks):
     """Each rank's torch and Python random states differ: one order from a seed rank 0 chose, the same everywhere."""
     first, second = _scenario(two_ranks, "shuffled_unseeded")
+    assert not first["states_seen_same"].any() and not second["states_seen_same"].any()  # Python's, torch's
     for mine, theirs in zip(_weights(first), _weights(second)):
         np.testing.assert_array_equal(mine, theirs)
 

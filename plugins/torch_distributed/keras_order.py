@@ -14,24 +14,29 @@ its share of each global batch: the global order is one process's. Plain Keras o
 When the states differ, the ranks fall back to one order drawn from a seed rank 0 chose (not one process's order).
 """
 
-import hashlib
-import pickle
 import random
 
 
 def same_everywhere(*states):
     """Whether every rank holds the same ``states`` (torch generator states, ``random.getstate()``): one all-reduce
-    of a 63-bit digest (max of digest and of -digest)."""
+    of their digest's pieces and squares (kerasdist's ``same_everywhere``)."""
+    import torch.distributed as dist
+    from kerasdist.plugin_tools import digest_pieces
+    from kerasdist.plugin_tools import same_everywhere as pieces_same_everywhere
+
+    return pieces_same_everywhere(digest_pieces(*states), _sum_arrays, dist.get_world_size())
+
+
+def _sum_arrays(*arrays):
+    """The ranks' sums of float64 arrays, in one all-reduce."""
+    import numpy as np
     import torch
     import torch.distributed as dist
 
-    digest = hashlib.sha256()
-    for state in states:
-        digest.update(state.numpy().tobytes() if hasattr(state, "numpy") else pickle.dumps(state))
-    value = int.from_bytes(digest.digest()[:8], "little") >> 1
-    both = torch.tensor([value, -value], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return int(both[0]) == -int(both[1])
+    sizes = [np.size(a) for a in arrays]
+    both = torch.from_numpy(np.concatenate([np.ravel(a) for a in arrays]).astype(np.float64))
+    dist.all_reduce(both)
+    return np.split(both.numpy(), np.cumsum(sizes)[:-1])
 
 
 def torch_state_same_everywhere():

@@ -202,6 +202,9 @@ def main(argv=None):
 
         random.seed(100 + int(os.environ.get("RANK", "0")))
         torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
+        from kerasdist_plugins.torch_distributed import keras_order
+
+        states_seen_same = [keras_order.python_state_same_everywhere(), keras_order.torch_state_same_everywhere()]
     shuffle = {"false": False, "true": True, "batch": "batch"}[args.shuffle]
     history = net.fit(**as_input(args.input, x, y, args.batch), epochs=args.epochs, shuffle=shuffle, verbose=0,
                       callbacks=callbacks)
@@ -216,7 +219,8 @@ def main(argv=None):
              batch_logs=np.asarray(batch_logs.rows), all_reduces=np.asarray(batch_logs.all_reduces),
              evaluate=np.asarray([evaluated["loss"], evaluated.get("mae", 0.0)]),
              predict=np.asarray(predicted, "float64"), later_init=np.asarray(later.kernel, "float64"),
-             epochs_run=np.asarray(len(history.history["loss"])), allocator=np.asarray(allocator.status()))
+             epochs_run=np.asarray(len(history.history["loss"])), allocator=np.asarray(allocator.status()),
+             states_seen_same=np.asarray(states_seen_same if args.rank_seeds else []))
     print(f"rank {rank} done: loss {history.history['loss']}", flush=True)
 
 
