@@ -1,6 +1,8 @@
 """Errors kerasdist raises: each message names the bad value and the fix."""
 
+import copyreg
 import difflib
+import sys
 
 
 def did_you_mean(value, choices):
@@ -11,6 +13,17 @@ def did_you_mean(value, choices):
 
 class KerasdistError(ValueError):
     """Base class of every error kerasdist raises for bad input or set-up."""
+
+    def __reduce__(self):
+        """Pickled (Ray sends a worker's error to the driver so) with its arguments and attributes, whatever the
+        subclass's ``__init__`` takes. An error that made ``import kerasdist`` fail (joining the cluster at
+        import) leaves the package unimportable in that process, and pickle, which imports a class's module to
+        name it, would fail and lose the message: then it goes as the built-in base class carrying the
+        error's type and message."""
+        if sys.modules.get("kerasdist") is None:
+            builtin = next(base for base in type(self).__mro__ if base.__module__ == "builtins")
+            return builtin, (f"{type(self).__module__}.{type(self).__qualname__}: {self}",)
+        return copyreg.__newobj__, (type(self), *self.args), self.__dict__ or None
 
 
 class PluginWarning(UserWarning):

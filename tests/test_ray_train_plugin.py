@@ -1,9 +1,14 @@
 """The ray_train plugin's decisions without starting Ray (tests/test_ray.py runs a real local Ray): the identity
-of fit's backup under Ray, and which models rank 0 cannot save alone."""
+of fit's backup under Ray, which models rank 0 cannot save alone, and how kerasdist's errors travel to Ray's
+driver (pickled)."""
+
+import pickle
+import sys
 
 import keras
 import pytest
 
+import kerasdist
 from kerasdist_plugins import ray_train
 
 
@@ -73,3 +78,19 @@ def test_rank_0_reports_a_split_model_without_a_checkpoint_and_says_why_once():
     callback.set_model(model)
     callback.on_train_begin()
     assert callback.checkpoints
+
+
+def test_a_kerasdist_error_reaches_the_driver_with_its_message_even_from_a_failed_import(monkeypatch):
+    """Ray pickles a worker's error for the driver. A ClusterConfigError of the join at ``import kerasdist`` left
+    the package out of sys.modules, so pickle could not name its class ("Can't pickle ...: import of module
+    'kerasdist.errors' failed") and the message was lost; a subclass taking other arguments did not unpickle."""
+    unknown = kerasdist.UnknownPluginError("mirorred", ["mirrored"])
+    again = pickle.loads(pickle.dumps(unknown))
+    assert type(again) is kerasdist.UnknownPluginError and str(again) == str(unknown)
+    assert again.available == ["mirrored"]
+    assert type(pickle.loads(pickle.dumps(kerasdist.ClusterConfigError("x")))) is kerasdist.ClusterConfigError
+
+    monkeypatch.setitem(sys.modules, "kerasdist", None)  # what a failed `import kerasdist` leaves
+    sent = pickle.loads(pickle.dumps(kerasdist.ClusterConfigError("Port 5 of worker 0 is already in use")))
+    assert type(sent) is ValueError
+    assert str(sent) == "kerasdist.errors.ClusterConfigError: Port 5 of worker 0 is already in use"
