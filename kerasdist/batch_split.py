@@ -251,27 +251,35 @@ def _part_of_each_batch(dataset, part):
 def in_shared_order(dataset, seed):
     """``dataset`` (a ``keras.utils.PyDataset``) with its batches in an order shuffled each epoch from ``seed``: the
     same in every process given the same seed (not one process's order: for processes whose Python ``random``
-    states differ, where Keras's own shuffle would differ). Feed it with ``shuffle=False``."""
+    states differ, where Keras's own shuffle would differ). Feed it with ``shuffle=False``. An infinite one
+    (``num_batches`` None) is returned as it is: Keras never shuffles it."""
     import keras
     import numpy as np
+
+    count = dataset.num_batches  # not len(): a PyDataset may define num_batches only
+    if count is None:
+        return dataset
 
     class SharedOrder(keras.utils.PyDataset):
         def __init__(self):
             super().__init__(workers=dataset.workers, use_multiprocessing=dataset.use_multiprocessing,
                              max_queue_size=dataset.max_queue_size)
             self.epoch = 0
-            self.order = np.random.default_rng([seed, 0]).permutation(len(dataset))
+            self.order = np.random.default_rng([seed, 0]).permutation(count)
 
         def __len__(self):
-            return len(dataset)
+            return count
 
         def __getitem__(self, index):
             return dataset[int(self.order[index])]
 
+        def on_epoch_begin(self):
+            dataset.on_epoch_begin()
+
         def on_epoch_end(self):
             dataset.on_epoch_end()
             self.epoch += 1
-            self.order = np.random.default_rng([seed, self.epoch]).permutation(len(dataset))
+            self.order = np.random.default_rng([seed, self.epoch]).permutation(count)
 
     return SharedOrder()
 
