@@ -13,7 +13,7 @@ import math
 import numbers
 import socket
 
-from ._keras_internals import (CHECKED_KERAS_VERSIONS, accumulate_across_replicas, all_layers,
+from ._keras_internals import (CHECKED_KERAS_VERSIONS, keras_shuffles_by_epoch, accumulate_across_replicas, all_layers,
                                assign_state_from_first_replica, bind_model, disable_per_channel_quantization,
                                update_loss_scale_once_per_step,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
@@ -50,7 +50,7 @@ __all__ = [
     "input_kind", "unique_variables", "local_replica_devices",
     # do all ranks hold the same random state? (one process's shuffle order)
     "digest_pieces", "int_pieces", "same_everywhere", "python_random_same_everywhere", "sum_by_all_gather",
-    "in_shared_order",
+    "in_shared_order", "keras_shuffles_by_epoch",
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # process-wide state (one home, one reset): process_state.slot / on_reset / reset
     "process_state",

@@ -67,6 +67,7 @@ SCENARIOS.update(GUIDES)
 SHUFFLED = {"shuffled_arrays_unbuilt": ["--unbuilt", "--shuffle", "true"],
             "shuffled_batches": ["--shuffle", "batch"],
             "shuffled_py_dataset": ["--input", "pydataset", "--shuffle", "true"],
+            "reordered_py_dataset": ["--input", "pydataset_reordered", "--epochs", "3"],
             "shuffling_loader": ["--input", "dataloader_shuffled"]}
 SHUFFLED = {name: [*argv, "--fit-seed", "7", "--rows", "46", "--batch", "15"] for name, argv in SHUFFLED.items()}
 SCENARIOS.update(SHUFFLED)

@@ -32,4 +32,4 @@ from .training import (accumulate_across_replicas, all_layers, flatten_metrics_i
                        lay_out_variables, set_batch_share_weighting, synchronize_batch_norm, variable_layout,
                        weight_replicas_by_batch_share)
 from .versions import (CHECKED_KERAS_VERSIONS, SUPPORTED_KERAS, installed_keras_version,  # noqa: F401
-                       keras_version_checked)
+                       keras_shuffles_by_epoch, keras_version_checked)

@@ -200,6 +200,13 @@ def keras_line(version=None):
     return next((line for line in KERAS_LINES if _on_line(version, line)), None)
 
 
+def keras_shuffles_by_epoch(version=None):
+    """Whether Keras draws each epoch's shuffle from the epoch's number alone (3.16: a torch generator or
+    ``random.Random`` seeded with it), not from the global random state (3.15). A Keras on no known line is
+    taken to be newer than the newest."""
+    return keras_line(version) != "3.15"
+
+
 def keras_version_checked(version=None):
     """True when the installed Keras (read from its metadata, not imported) is one these internals
     were checked against; True when Keras is not installed at all."""

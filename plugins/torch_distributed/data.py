@@ -17,7 +17,7 @@ import numpy as np
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import first_array, is_dataset
+from kerasdist.plugin_tools import first_array, is_dataset, keras_shuffles_by_epoch
 
 from . import keras_order
 from .training import PLACEHOLDER_MARK
@@ -59,9 +59,22 @@ class RankShare(keras.utils.PyDataset):
     """This rank's part of each global batch of a source read in order: ``part(i)`` is its part of batch i.
     Its NumPy arrays are handed to Keras as torch tensors sharing their memory (:func:`_shared_tensor`)."""
 
-    def __init__(self, part, count, rank, world):
+    def __init__(self, part, count, rank, world, order=None, source=None):
         super().__init__()
         self._part, self._count, self.rank, self.world = part, count, rank, world
+        self._order, self._source = order, source
+
+    def on_epoch_begin(self):
+        if self._source is not None:
+            self._source.on_epoch_begin()
+
+    def on_epoch_end(self):
+        """Keras's adapter calls it where its own epoch number grows (3.16 draws a pass's shuffle from that); a
+        user's PyDataset gets its own call (its ``on_epoch_end`` may reorder it, as keras.io's examples do)."""
+        if self._order is not None:
+            self._order.epoch += 1
+        if self._source is not None:
+            self._source.on_epoch_end()
 
     def __len__(self):
         return self._count
@@ -105,21 +118,27 @@ def shared_seed():
 
 
 class _Order:
-    """Order per pass: in order, or a new one drawn each time batch 0 is read: ``keras_draw()`` (one process's
-    Keras order, where every rank holds the same random state), else a permutation from the shared seed."""
+    """Order per pass: in order, or a new one drawn each time batch 0 is read: ``keras_draw(epoch)`` (one
+    process's Keras order: its random state the same on every rank, or Keras 3.16's draw from the epoch's number,
+    which :meth:`RankShare.on_epoch_end` counts as Keras's adapter counts it), else a permutation from the shared
+    seed."""
 
     def __init__(self, size, shuffle, keras_draw=None):
-        self.size, self.current, self.draw = size, np.arange(size), None
+        self.size, self.current, self.draw, self.epoch = size, np.arange(size), None, 0
         if shuffle and keras_draw is not None:
             self.draw = keras_draw
         elif shuffle:
             rng = np.random.default_rng(shared_seed())
-            self.draw = lambda: rng.permutation(size)
+            self.draw = lambda epoch: rng.permutation(size)
 
     def at(self, index):
         if index == 0 and self.draw is not None:
-            self.current = np.asarray(self.draw())
+            self.current = np.asarray(self.draw(self.epoch))
         return self.current
+
+
+def _keras_draws_alike(state_same_everywhere):
+    return keras_shuffles_by_epoch() or state_same_everywhere()
 
 
 def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
@@ -127,10 +146,10 @@ def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
     if sample_weight is not None and y is None:
         raise KerasdistError("data_parallel (torch): sample_weight without y is not supported; give y.")
     size = len(first_array(x))
-    keras_draw = shuffle and keras_order.torch_state_same_everywhere() and (
-        lambda: keras_order.array_permutation(size, batch_size, shuffle))
-    order = _Order(size, shuffle, keras_draw or None)
     count = -(-size // batch_size)
+    keras_draw = shuffle and _keras_draws_alike(keras_order.torch_state_same_everywhere) and (
+        lambda epoch: keras_order.array_permutation(size, batch_size, shuffle, epoch))
+    order = _Order(size, shuffle, keras_draw or None)
     parts = [x] + [p for p in (y, sample_weight) if p is not None]
 
     def my_part(index):
@@ -144,15 +163,16 @@ def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
         picked = tuple(keras.tree.map_structure(lambda a: np.asarray(a)[rows], p) for p in parts)
         return picked if stop > start else _placeholder(picked)
 
-    return RankShare(my_part, count, rank, world)
+    return RankShare(my_part, count, rank, world, order)
 
 
 def from_py_dataset(dataset, shuffle, rank, world):
     count = len(dataset)
-    keras_draw = shuffle and keras_order.python_state_same_everywhere() and (
-        lambda: keras_order.py_dataset_order(count))
+    keras_draw = shuffle and _keras_draws_alike(keras_order.python_state_same_everywhere) and (
+        lambda epoch: keras_order.py_dataset_order(count, epoch))
     order = _Order(count, shuffle, keras_draw or None)
-    return RankShare(lambda index: take_share(dataset[int(order.at(index)[index])], rank, world), count, rank, world)
+    return RankShare(lambda index: take_share(dataset[int(order.at(index)[index])], rank, world), count, rank, world,
+                     order, source=dataset)
 
 
 def from_iterable(make_iterator, count, rank, world, after_pass=None):

@@ -12,9 +12,13 @@ its share of each global batch: the global order is one process's. Plain Keras o
   makes the next epoch's iterator at once), each drawing a base seed from the loader's generator.
 
 When the states differ, the ranks fall back to one order drawn from a seed rank 0 chose (not one process's order).
+Keras 3.16 draws the shuffles of arrays and PyDatasets from the epoch's number alone (a generator seeded with it, at
+each pass; the number grows at each epoch's end): every rank makes those draws whatever its random state.
 """
 
 import random
+
+from kerasdist.plugin_tools import keras_shuffles_by_epoch
 
 
 def same_everywhere(*states):
@@ -49,24 +53,29 @@ def python_state_same_everywhere():
     return same_everywhere(random.getstate())
 
 
-def array_permutation(size, batch_size, shuffle):
-    """One pass's row order as one process's Keras draws it (array_data_adapter.get_torch_dataloader)."""
+def array_permutation(size, batch_size, shuffle, epoch):
+    """One pass's row order as one process's Keras draws it (array_data_adapter.get_torch_dataloader): from
+    torch's global generator (3.15), or from a generator seeded with the epoch's number (3.16)."""
     import numpy as np
     import torch
 
+    generator = torch.Generator().manual_seed(int(epoch)) if keras_shuffles_by_epoch() else None
     if shuffle == "batch":
         order = []
         for begin in range(0, size, batch_size):
             batch = list(range(begin, min(begin + batch_size, size)))
-            order += [batch[i] for i in torch.randperm(len(batch))]
+            order += [batch[i] for i in torch.randperm(len(batch), generator=generator)]
         return np.asarray(order, dtype=np.int64)
+    if generator is not None:
+        return torch.randperm(size, generator=generator).numpy()
     return np.asarray(list(torch.utils.data.RandomSampler(range(size))), dtype=np.int64)
 
 
-def py_dataset_order(count):
-    """One pass's batch order as one process's Keras draws it (py_dataset_adapter: ``random.shuffle``)."""
+def py_dataset_order(count, epoch):
+    """One pass's batch order as one process's Keras draws it (py_dataset_adapter): ``random.shuffle`` (3.15),
+    ``random.Random(epoch).shuffle`` (3.16)."""
     indices = list(range(count))
-    random.shuffle(indices)
+    (random.Random(epoch) if keras_shuffles_by_epoch() else random).shuffle(indices)
     return indices
 
 

@@ -146,6 +146,21 @@ def as_input(kind, x, y, batch):
                 return x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
 
         return dict(x=Batches())
+    if kind == "pydataset_reordered":  # keras.io's pattern: on_epoch_end reorders the rows (NumPy's global state)
+        class Reordered(keras.utils.PyDataset):
+            order = np.arange(len(x))
+
+            def __len__(self):
+                return -(-len(x) // batch)
+
+            def __getitem__(self, i):
+                rows = self.order[i * batch:(i + 1) * batch]
+                return x[rows], y[rows]
+
+            def on_epoch_end(self):
+                self.order = np.random.permutation(len(x))
+
+        return dict(x=Reordered())
     import tensorflow as tf
 
     return dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch))
