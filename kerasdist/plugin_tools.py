@@ -263,15 +263,19 @@ def read_py_datasets_in_one_processs_order(method, call_kwargs, word):
             continue
         shuffled = method == "fit" and name == "x" and call_kwargs.get("shuffle", True)
         threaded = value.workers > 1 or (value.workers > 0 and value.use_multiprocessing)
-        if (steps is not None and shuffled) or not (read_by_index(value) or not threaded):
+        steps_shuffled = steps is not None and shuffled
+        unindexed = not steps_shuffled and not (read_by_index(value) or not threaded)
+        if steps_shuffled or unindexed:
             raise KerasdistError(
                 f"distribute={word!r}: {method}({name}=a keras.utils.PyDataset"
                 + (f" with workers={value.workers}" if threaded else "")
+                + (", num_batches=None (infinite)" if unindexed and value.num_batches is None else "")
                 + (f", shuffle=True and {'steps_per_epoch' if method == 'fit' else 'steps'}={steps}"
-                   if steps is not None and shuffled else "")
+                   if steps_shuffled else "")
                 + ") cannot be read in one process's batch order: the strategy's prefetch races Keras's shared "
                 "loader. Pass a tf.data pipeline (tf.data.Dataset.range(n).map(...) reading your batches, or "
-                "from_tensor_slices), " + ("leave steps_per_epoch out or pass shuffle=False, " if steps else "")
+                "from_tensor_slices), " + ("leave steps_per_epoch out or pass shuffle=False, " if steps_shuffled
+                                           else "give the PyDataset workers=1 (read in order, no threads), ")
                 + ("or let multiworker train strategy-free (unset KERASDIST_STRATEGY_FREE=off; exact for PyDatasets)."
                    if word == "multiworker" else "or use distribute=\"multiworker\" (exact for PyDatasets)."))
 

@@ -1,11 +1,14 @@
-"""kerasdist.batch_split's PyDataset wrappers, in this process (no launch)."""
+"""kerasdist.batch_split's PyDataset wrappers, and plugin_tools' PyDataset refusal under a strategy of several
+replicas in one process, in this process (no launch, no model)."""
 
 import numpy as np
 import pytest
 
 keras = pytest.importorskip("keras")
 
-from kerasdist.plugin_tools import in_shared_order, split_batches  # noqa: E402
+import kerasdist  # noqa: E402
+from kerasdist.plugin_tools import (in_shared_order, read_py_datasets_in_one_processs_order,  # noqa: E402
+                                    split_batches)
 
 
 class NumBatchesOnly(keras.utils.PyDataset):
@@ -43,3 +46,17 @@ def test_in_shared_order_takes_num_batches_and_calls_the_users_epoch_hooks(split
 def test_in_shared_order_leaves_an_infinite_py_dataset_as_it_is():
     user = NumBatchesOnly(count=None)
     assert in_shared_order(user, seed=3) is user  # Keras never shuffles an infinite PyDataset
+
+
+def test_a_threaded_infinite_py_dataset_is_refused_naming_why_and_fixes_that_apply():
+    class Threaded(NumBatchesOnly):
+        def __init__(self):
+            keras.utils.PyDataset.__init__(self, workers=4)
+            self.count = None
+
+    call = {"x": Threaded(), "steps_per_epoch": 5, "shuffle": False}  # an infinite one needs steps_per_epoch
+    with pytest.raises(kerasdist.KerasdistError) as refused:
+        read_py_datasets_in_one_processs_order("fit", call, "mirrored")
+    message = str(refused.value)
+    assert "num_batches=None" in message and "workers=1" in message
+    assert "leave steps_per_epoch out" not in message  # was advised: impossible here, and shuffle is already False
