@@ -16,6 +16,7 @@ torch is imported only inside the functions (``import kerasdist`` never imports 
 """
 
 import inspect
+import weakref
 
 from .training import replace_moments
 from .versions import installed_keras_version, locate, missing, owner_of
@@ -58,12 +59,34 @@ def _no_ddp(*args, **kwargs):
     """The trainer's DDP wrapping, turned off (kerasdist averages the gradients)."""
 
 
+#: the models whose torch trainer's ``get_metrics_result`` gives this rank's results (kerasdist sums them itself)
+_LOCAL_RESULTS = weakref.WeakSet()
+
+
 def local_metrics_result(model):
     """``model.get_metrics_result`` of this rank alone: the base trainer's where the model has the torch
-    trainer's own (3.16's sums every metric state over the ranks; kerasdist sums them itself, once)."""
-    if getattr(type(model), "get_metrics_result", None) is locate("torch_trainer_metrics_result"):
-        return locate("trainer_metrics_result").__get__(model)
+    trainer's own (3.16's sums every metric state over the ranks; kerasdist sums them itself, once). A model
+    class's own override stays, and its ``super()`` call reaches the trainer's: that one gives this rank's
+    results for the models kerasdist distributes."""
+    summing, base = locate("torch_trainer_metrics_result"), locate("trainer_metrics_result")
+    if getattr(type(model), "get_metrics_result", None) is summing:
+        return base.__get__(model)
+    if summing is not base:
+        _local_through_super(model)
     return model.get_metrics_result
+
+
+def _local_through_super(model):
+    owner, attribute = owner_of("torch_trainer_metrics_result")
+    summing, base = getattr(owner, attribute), locate("trainer_metrics_result")
+    if not getattr(summing, "kerasdist_local_for_distributed_models", False):
+        def get_metrics_result(self):
+            return base(self) if self in _LOCAL_RESULTS else summing(self)
+
+        get_metrics_result.kerasdist_local_for_distributed_models = True
+        get_metrics_result.__wrapped__ = summing
+        setattr(owner, attribute, get_metrics_result)
+    _LOCAL_RESULTS.add(model)
 
 
 def compiled_metrics(model):

@@ -2,7 +2,8 @@
 DistributedDataParallel that wraps a module, to check that on a Keras whose torch trainer wraps the model in DDP
 itself (3.16) kerasdist turns that off and averages the gradients once, itself: each rank weighted by its rows
 (57 rows in batches of 16: a last batch of 9, shares of 5 and 4), BatchNormalization's statistics over both
-ranks, the metrics (a count among them) summed once.
+ranks, the metrics (a count among them) summed once, also through a user's ``get_metrics_result`` calling
+``super()``.
 
     KERAS_BACKEND=torch python torch_nightly_ddp.py OUT WORD    (WORD "none": one process, plain Keras)
 
@@ -36,12 +37,20 @@ def record_ddp():
     torch.nn.parallel.DistributedDataParallel.__init__ = __init__
 
 
+class OwnResults(keras.Sequential):
+    """A model class of the user's that overrides ``get_metrics_result`` and calls ``super()``: on 3.16 that is the
+    torch trainer's, which sums every metric state over the ranks (kerasdist then summed them again)."""
+
+    def get_metrics_result(self):
+        return dict(super().get_metrics_result())
+
+
 def main(out, word):
     torch.set_num_threads(1)
     record_ddp()
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    model = OwnResults([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                        keras.layers.BatchNormalization(), keras.layers.Dense(3)])
     rng = np.random.default_rng(0)
     x = rng.normal(size=(57, 6)).astype("float32")
     y = (x[:, :3] > 0).astype("float32")
