@@ -138,6 +138,8 @@ def arrays_as_dataset(call_kwargs, seed=None, method="fit", keras_order=False):
     call_kwargs.update(x=batches, y=None, sample_weight=None, batch_size=None)
     if method == "fit":
         call_kwargs.update(shuffle=False, validation_split=0.0)
+        if call_kwargs.get("validation_batch_size") is None:  # Keras validates by fit's batch_size, gone from here
+            call_kwargs["validation_batch_size"] = batch_size
     return True
 
 

@@ -7,8 +7,8 @@ import pytest
 keras = pytest.importorskip("keras")
 
 import kerasdist  # noqa: E402
-from kerasdist.plugin_tools import (in_shared_order, read_py_datasets_in_one_processs_order,  # noqa: E402
-                                    split_batches)
+from kerasdist.plugin_tools import (arrays_as_dataset, in_shared_order,  # noqa: E402
+                                    read_py_datasets_in_one_processs_order, split_batches, split_validation)
 
 
 class NumBatchesOnly(keras.utils.PyDataset):
@@ -60,3 +60,15 @@ def test_a_threaded_infinite_py_dataset_is_refused_naming_why_and_fixes_that_app
     message = str(refused.value)
     assert "num_batches=None" in message and "workers=1" in message
     assert "leave steps_per_epoch out" not in message  # was advised: impossible here, and shuffle is already False
+
+
+@pytest.mark.parametrize("validation", ["validation_data", "validation_split"])
+def test_validation_arrays_keep_fits_batch_size_after_the_arrays_become_a_dataset(validation):
+    x, y = np.arange(200, dtype="float32").reshape(100, 2), np.zeros((100, 1), "float32")
+    call = {"x": x, "y": y, "batch_size": 50, "shuffle": True, "validation_batch_size": None,
+            **({"validation_data": (x, y)} if validation == "validation_data" else {"validation_split": 0.5})}
+    arrays_as_dataset(call, seed=1, method="fit")
+    assert call["validation_batch_size"] == 50  # Keras's own validation batch: fit's batch_size
+    split_validation(call, 0, 1)  # as multiworker and horovod split it: was batches of 32 (Keras's default)
+    rows = [int(batch[0].shape[0]) for batch in call["validation_data"]]
+    assert rows == ([50, 50] if validation == "validation_data" else [50])
