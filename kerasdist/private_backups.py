@@ -157,6 +157,21 @@ def _differences(folder, identity):
     return "its " + ", ".join(changed) + (" differ" if len(changed) > 1 else " differs")
 
 
+def _write_identity(folder, identity):
+    """Write the job's identity beside its backup, whole or not at all (a file of its own, renamed over the old
+    one): the other workers read it in :func:`inspect` at the same moment (a Ray retry's workers start ``fit``
+    together), and one that read a truncated file took the backup for another job's and trained from epoch 0
+    while the chief resumed."""
+    handle, path = tempfile.mkstemp(prefix=IDENTITY_FILE, dir=folder)  # 0600
+    try:
+        with open(handle, "w") as f:
+            json.dump(identity, f)
+        os.replace(path, os.path.join(folder, IDENTITY_FILE))
+    except BaseException:
+        os.unlink(path)
+        raise
+
+
 def private_backup_callback(backup_dir, identity):
     """The chief's ``keras.callbacks.BackupAndRestore``: files 0600, the job identity written beside them."""
     import keras
@@ -167,9 +182,7 @@ def private_backup_callback(backup_dir, identity):
             self.identity = identity
 
         def on_train_begin(self, logs=None):
-            with open(os.open(os.path.join(self.backup_dir, IDENTITY_FILE), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
-                              0o600), "w") as f:
-                json.dump(self.identity, f)
+            _write_identity(self.backup_dir, self.identity)
             super().on_train_begin(logs)
 
         def on_epoch_end(self, epoch, logs=None):

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import kerasdist
+from kerasdist.plugin_tools import private_backups
 from kerasdist_plugins.multiworker import backup
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a folder owned by another user")
@@ -135,6 +136,29 @@ def test_a_non_chief_never_reads_another_jobs_backup(tmp_path, capsys):
     callback, _ = _add(tmp_path / "b", model, chief=False)
     assert capsys.readouterr().out == ""  # the chief speaks
     assert str(tmp_path / "b") not in callback.backup_dir
+
+
+def test_a_worker_looking_while_the_chief_resumes_sees_the_backup(tmp_path, monkeypatch):
+    """The chief rewrites the identity file as it resumes, while the other workers read it (a Ray retry's workers
+    start fit together): one that read it truncated took the backup for another job's and trained from epoch 0
+    while the chief resumed at epoch 2 (tests/test_ray.py, once under load)."""
+    model = _model()
+    identity = backup.job_identity(model, tf.distribute.get_strategy())
+    _plant(tmp_path / "mine", identity, epoch=3)
+    callback, _ = _add(tmp_path / "mine", model)
+    seen, dump = [], json.dump
+
+    def dump_while_a_worker_looks(*args, **kwargs):
+        seen.append(private_backups.inspect(str(tmp_path / "mine"), identity))
+        return dump(*args, **kwargs)
+
+    monkeypatch.setattr(json, "dump", dump_while_a_worker_looks)
+    callback.set_model(model)
+    callback.on_train_begin()
+    assert seen and set(seen) == {("resume", 3)}, seen
+    assert model._initial_epoch == 3
+    assert sorted(os.listdir(tmp_path / "mine")) == sorted(["latest.weights.h5", "training_metadata.json",
+                                                            backup.IDENTITY_FILE])  # no temporary file left
 
 
 def test_a_truncated_backup_names_the_folder_to_delete(tmp_path):
