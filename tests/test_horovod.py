@@ -142,6 +142,72 @@ def test_batch_size_per_worker_gives_horovods_semantics_and_says_so_once(suite):
     assert stdout.count(notice) == 1, stdout[-3000:]
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+@needs_horovod
+def test_uneven_shares_log_as_one_process(suite):
+    """Issue 29: a global batch whose rows split unevenly (7 rows in batches of 4: 2+2 then 1+2; 9 rows: 0+1 last)
+    was logged as the unweighted mean of the ranks' results: evaluate's loss 1.8447 for one process's 1.8223 (every
+    input kind), fit's loss/val_loss off by up to 0.02. Now each metric's state is summed over the ranks first."""
+    ranks, _, _ = suite
+
+    def compile_model(weights, optimizer):
+        model = common.build_model()
+        model.set_weights(weights)
+        model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+        return model
+
+    expected = common.uneven_logs(compile_model)
+    assert sorted(expected) == sorted(k[len("uneven_"):] for k in ranks[0] if k.startswith("uneven_"))
+    for rank in ranks:
+        for name, value in expected.items():
+            np.testing.assert_allclose(rank[f"uneven_{name}"], value, rtol=1e-6, atol=1e-6, err_msg=name)
+    assert len(expected["fit_val_loss"]) == 1  # validated once: epoch 1 had none
+
+
+def test_metric_states_are_summed_and_other_scalars_averaged_over_ranks():
+    """combine_over_ranks without processes (rank 0 of 2, rank 1's message replayed): a metric's log is the result
+    of the summed state (3 rows + 1 row: one process's 4), a scalar no metric backs is the ranks' mean."""
+    import keras
+    import tensorflow as tf
+
+    from kerasdist_plugins.horovod.metric_sums import combine_over_ranks
+
+    class Ranks:
+        Sum = "sum"
+
+        def __init__(self, other=None):
+            self.other, self.sent = other, None
+
+        def size(self):
+            return 2
+
+        def allreduce(self, tensor, op, name):
+            self.sent = tensor.numpy()
+            return tf.constant(self.sent + (self.sent if self.other is None else self.other))
+
+    x, y = common.data(batches=1)
+
+    def evaluated(rows, custom):
+        model = common.build_model()
+        model.set_weights(common.initial_weights(9))
+        model.compile(optimizer="sgd", loss="mse", metrics=["mae"], run_eagerly=True)  # no tracing: faster
+        return model, dict(model.evaluate(x[rows], y[rows], verbose=0, return_dict=True), custom=custom)
+
+    one_model, one = evaluated(slice(0, 4), 0.0)
+    model1, logs1 = evaluated(slice(3, 4), 3.0)
+    rank1 = Ranks()
+    combine_over_ranks(rank1, model1, logs1)
+    model0, logs0 = evaluated(slice(0, 3), 1.0)
+    before = logs0["loss"]
+    combine_over_ranks(Ranks(other=rank1.sent), model0, logs0)
+    assert abs(before - one["loss"]) > 1e-3
+    assert logs0["custom"] == 2.0
+    for name in ("loss", "mae"):
+        assert abs(logs0[name] - one[name]) <= 1e-6
+    assert abs(float(model0.get_metrics_result()["loss"]) - one["loss"]) <= 1e-6  # the state is the sum
+
+
 # -- Must show 2: fp16 compression and backward_passes_per_step ---------------------------
 
 @pytest.mark.timeout(300)

@@ -11,7 +11,8 @@ Launch with ``horovodrun -np 2 -H localhost:2 python train.py``; the script only
   gradient_predivide_factor, average_aggregated_gradients);
 - at the start of ``fit``: the model must be the same on every rank (checked, never a
   hang), then weights and optimizer state are broadcast from rank 0;
-- epoch logs (and ``evaluate`` results) are averaged across ranks;
+- epoch logs (validation included) and ``evaluate`` results are those of every rank's rows: each metric's
+  state is summed over the ranks before its result is read (other scalars of a custom step: averaged);
 - ``fit``/``evaluate`` data is split between ranks: ``batch_size`` is the global batch (each
   rank takes its part of every batch), as under every strategy; ``batch_size_per_worker=True``
   gives Horovod's semantics (whole batches per rank, global batch = batch_size x ranks);
@@ -258,7 +259,7 @@ def _same_python_random(hvd):
 
 @kerasdist.hookimpl
 def kerasdist_run_call(method, call, call_kwargs, model, spec):
-    """``evaluate``: return the results averaged across ranks (Keras hands callbacks a copy)."""
+    """``evaluate``: return the results over every rank (metric states summed; Keras hands callbacks a copy)."""
     if not isinstance(spec, Horovod) or method != "evaluate" or not spec.average_metrics:
         return None
     import horovod.tensorflow as hvd
@@ -267,9 +268,9 @@ def kerasdist_run_call(method, call, call_kwargs, model, spec):
         return None
     from kerasdist.plugin_tools import flatten_metrics_in_order
 
-    from .callbacks import average_logs
+    from .metric_sums import combine_over_ranks
 
     return_dict = call_kwargs.pop("return_dict", False)
     logs = call(**call_kwargs, return_dict=True)
-    average_logs(logs)
+    combine_over_ranks(hvd, model, logs)
     return logs if return_dict else flatten_metrics_in_order(model, logs)

@@ -5,6 +5,8 @@ import numbers
 import kerasdist
 from kerasdist.plugin_tools import unique_variables
 
+from .metric_sums import combine_over_ranks
+
 _CHIEF_ONLY_CALLBACKS = ("ModelCheckpoint", "TensorBoard", "CSVLogger", "ProgbarLogger")
 
 
@@ -70,10 +72,37 @@ class BroadcastStateCallback(_callback_base()):
 
 
 class MetricAverageCallback(_callback_base()):
-    """Average epoch logs (validation included) across ranks, before other callbacks see them."""
+    """Epoch logs (validation included) over every rank, before other callbacks see them: each metric's state
+    summed over the ranks (its training state before validation resets it), other scalars averaged."""
+
+    def __init__(self):
+        super().__init__()
+        self.fitting, self.training = False, None
+
+    def on_train_begin(self, logs=None):
+        self.fitting = True
+
+    def on_train_end(self, logs=None):
+        self.fitting = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.training = None
+
+    def on_test_begin(self, logs=None):
+        import horovod.tensorflow as hvd
+
+        if self.fitting and hvd.size() > 1:  # validation is about to reset the training metrics
+            self.training = combine_over_ranks(hvd, self.model, {})
 
     def on_epoch_end(self, epoch, logs=None):
-        average_logs(logs)
+        import horovod.tensorflow as hvd
+
+        if logs is None or hvd.size() == 1:
+            return
+        if self.training is None:  # no validation this epoch: the states are the training ones
+            combine_over_ranks(hvd, self.model, logs)
+        else:
+            combine_over_ranks(hvd, self.model, logs, prefix="val_", earlier=self.training)
 
 
 def average_logs(logs):

@@ -58,3 +58,41 @@ def gradients(weights, x, y):
 
 def batch(x, y, index):
     return x[index * BATCH:(index + 1) * BATCH], y[index * BATCH:(index + 1) * BATCH]
+
+
+
+def uneven_rows(x, y, rows=7, batch=4):
+    """The first ``rows`` examples in global batches of ``batch`` as each input kind but arrays."""
+    import keras
+    import tensorflow as tf
+
+    x, y = x[:rows], y[:rows]
+    count = -(-rows // batch)
+
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return count
+
+        def __getitem__(self, index):
+            return x[index * batch:(index + 1) * batch], y[index * batch:(index + 1) * batch]
+
+    return {"py_dataset": Batches(), "generator": (Batches()[i] for i in range(count)),
+            "tf_data": tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)}
+
+
+def uneven_logs(compile_model):
+    """Logs of evaluate and fit where a global batch splits unevenly between 2 ranks (hvd_train.py's suite case
+    11; the test runs it on one process): ``compile_model(weights, optimizer)`` gives the compiled model."""
+    import keras
+
+    x, y = data(batches=1)
+    rows = uneven_rows(x, y)
+    model = compile_model(initial_weights(8), keras.optimizers.SGD(0.1))
+    out = {kind: np.array(model.evaluate(value, verbose=0, **({"steps": 2} if kind == "generator" else {})))
+           for kind, value in rows.items()}
+    out["arrays"] = np.array(model.evaluate(x[:7], y[:7], batch_size=4, verbose=0))
+    history = model.fit(x[:9], y[:9], batch_size=4, epochs=2, shuffle=False, verbose=0,
+                        validation_data=rows["py_dataset"], validation_freq=2)
+    out.update({f"fit_{k}": np.array(v) for k, v in history.history.items()})
+    out["fit_weights"] = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    return out

@@ -139,6 +139,11 @@ def suite(outdir):
     out["seeded_shuffle_weights"] = model.get_weights()
     out["seeded_shuffle_loss"] = np.array(history.history["loss"])
 
+    # 11. Uneven shares (issue 29): evaluate 7 rows in global batches of 4 (rows 2+2, then 1+2) as every input
+    # kind; fit on 9 rows (the last batch: 0+1) validating on 7 rows every 2nd epoch. Logs as one process's.
+    for name, value in common.uneven_logs(compiled).items():
+        out[f"uneven_{name}"] = value
+
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **{k: _array(v) for k, v in out.items()})
     print(f"rank {rank}/{size}: suite done", flush=True)
 
