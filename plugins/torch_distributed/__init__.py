@@ -163,6 +163,7 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     if method == "fit":
         callbacks.add_backup(call_kwargs, spec, model, strategy)
     name = f"{NAME} (torch)"
+    validation_batch = call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size") or 32  # Keras's
     if method == "fit":
         data.split_validation(call_kwargs)
     view = data.rank_view(method, call_kwargs.get("x"), call_kwargs, strategy.rank, strategy.world_size, name)
@@ -175,7 +176,7 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         if isinstance(validation, (tuple, list)) and data.is_arrays(validation[0]):
             parts = list(validation) + [None] * (3 - len(validation))
             kwargs = {"y": parts[1], "sample_weight": parts[2],
-                      "batch_size": call_kwargs.get("validation_batch_size") or call_kwargs.get("batch_size") or 32}
+                      "batch_size": validation_batch}  # fit's batch_size is None by now (x is this rank's view)
             view = data.rank_view("evaluate", parts[0], kwargs, strategy.rank, strategy.world_size, name)
         else:
             view = data.rank_view("evaluate", validation, {}, strategy.rank, strategy.world_size, name)
