@@ -30,6 +30,8 @@ def combine_over_ranks(hvd, model, logs, prefix="", earlier=None):
     scalars = [float(logs[k]) if _is_scalar(logs[k]) else 0.0 for k in keys]
     states = [np.ravel(np.asarray(v.numpy(), np.float64)) for v in variables]
     message = np.concatenate(states + [np.array(flags + scalars, np.float64)])
+    if not message.size:  # no metric, no log: the same on every rank (the same model)
+        return {}
     summed = hvd.allreduce(tf.constant(message), op=hvd.Sum, name="kerasdist_metric_sums").numpy()
     start = 0
     for variable, state in zip(variables, states):
