@@ -6,7 +6,7 @@ import keras
 from kerasdist import KerasdistError
 from kerasdist.plugin_tools import (arrays_as_dataset, in_shared_order, input_kind, int_pieces,
                                     python_random_same_everywhere, same_everywhere, seed_shuffling_samplers,
-                                    split_batches, split_validation, tf_global_seed)
+                                    keras_shuffles_by_epoch, split_batches, split_validation, tf_global_seed)
 
 
 def split_call_data(call_kwargs, ring, method, seed):
@@ -44,7 +44,10 @@ def _not_split_error(name, value, method):
 def _same_global_seed(ring):
     """Whether every worker has one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
     then each draws one process's shuffle of arrays; else (unset, or seeds differing) the workers share
-    ``shuffle_seed``'s order. One small ring message; every worker asks at the same call."""
+    ``shuffle_seed``'s order. One small ring message; every worker asks at the same call. Keras 3.16 draws each
+    epoch's shuffle from the epoch's number alone: one process's order whatever the seeds, no message."""
+    if keras_shuffles_by_epoch():
+        return True
     seed = tf_global_seed()
     return seed is not None and same_everywhere(int_pieces(seed), ring.sum_arrays, ring.size)
 
@@ -52,8 +55,9 @@ def _same_global_seed(ring):
 def _same_python_random(ring):
     """Whether every worker's Python ``random`` state is the same (the same script after
     ``keras.utils.set_random_seed``): then Keras's own shuffle of a PyDataset's batches (``random.shuffle``) draws
-    one process's order on every worker; else the workers share ``shuffle_seed``'s order. One small ring message."""
-    return python_random_same_everywhere(ring.sum_arrays, ring.size)
+    one process's order on every worker; else the workers share ``shuffle_seed``'s order. One small ring message
+    (none on Keras 3.16: ``random.Random(epoch)``, the same everywhere)."""
+    return keras_shuffles_by_epoch() or python_random_same_everywhere(ring.sum_arrays, ring.size)
 
 
 def split_dataset(dataset, kind, ring, seed):
