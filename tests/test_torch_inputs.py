@@ -21,3 +21,35 @@ def test_validation_arrays_are_cut_in_fits_batch_size():
                                             spec=torch_distributed.TorchDataParallelSpec(backup=False))
     validation = call["validation_data"]
     assert len(validation) == 2 and int(validation[0][0].shape[0]) == 25  # rank 0's half of each 50-row batch
+
+
+def test_a_py_dataset_without_len_and_an_endless_one_are_split():
+    """Keras 3 documents ``num_batches`` (``__len__`` optional; None: endless, read by steps_per_epoch): the split
+    called ``len()`` (a raw TypeError). Each rank takes its rows of every batch, and the user's epoch hooks run."""
+    import keras
+
+    from kerasdist_plugins.torch_distributed.data import from_py_dataset
+
+    class Batches(keras.utils.PyDataset):
+        def __init__(self, count):
+            super().__init__()
+            self.count, self.ends = count, 0
+
+        @property
+        def num_batches(self):
+            return self.count
+
+        def __getitem__(self, index):
+            return np.full((4, 1), index, "float32"), np.zeros((4, 1), "float32")
+
+        def on_epoch_end(self):
+            self.ends += 1
+
+    for count in (3, None):
+        source = Batches(count)
+        share = from_py_dataset(source, shuffle=False, rank=1, world=2)
+        assert share.num_batches == count
+        x, _ = share[2]
+        assert np.asarray(x).ravel().tolist() == [2.0, 2.0]  # rank 1's 2 rows of batch 2
+        share.on_epoch_end()
+        assert source.ends == 1

@@ -77,7 +77,13 @@ class RankShare(keras.utils.PyDataset):
             self._source.on_epoch_end()
 
     def __len__(self):
+        if self._count is None:
+            raise TypeError("an endless RankShare has no len(); Keras reads it by steps_per_epoch")
         return self._count
+
+    @property
+    def num_batches(self):
+        return self._count  # None: endless, as the user's PyDataset
 
     def build_batch(self):
         """Batch 0 read as one process's ``fit`` reads it to build the model: Keras iterates its ``DataLoader`` once
@@ -86,7 +92,7 @@ class RankShare(keras.utils.PyDataset):
         return self[0]
 
     def __getitem__(self, index):
-        if index >= self._count:
+        if self._count is not None and index >= self._count:
             raise IndexError(index)
         return keras.tree.map_structure(_shared_tensor, self._part(index))
 
@@ -167,7 +173,9 @@ def from_arrays(x, y, sample_weight, batch_size, shuffle, rank, world):
 
 
 def from_py_dataset(dataset, shuffle, rank, world):
-    count = len(dataset)
+    count = dataset.num_batches  # Keras 3's documented length (``__len__`` optional); None: endless, never shuffled
+    if count is None:
+        return RankShare(lambda index: take_share(dataset[index], rank, world), None, rank, world, source=dataset)
     keras_draw = shuffle and _keras_draws_alike(keras_order.python_state_same_everywhere) and (
         lambda epoch: keras_order.py_dataset_order(count, epoch))
     order = _Order(count, shuffle, keras_draw or None)
