@@ -242,16 +242,23 @@ def _shared_seed(hvd):
 
 def _same_global_seed(hvd):
     """Whether every rank set one TensorFlow global seed (``keras.utils.set_random_seed`` with the same value):
-    then each draws one process's shuffle of in-memory arrays (before: the shared seed's order, another one)."""
-    from kerasdist.plugin_tools import tf_global_seed
+    then each draws one process's shuffle of in-memory arrays (before: the shared seed's order, another one).
+    Keras 3.16 keys each epoch's shuffle by its number: one process's order whatever the seeds."""
+    from kerasdist.plugin_tools import keras_shuffles_by_epoch, tf_global_seed
 
+    if keras_shuffles_by_epoch():
+        return True
     seeds = hvd.allgather_object(tf_global_seed(), name="kerasdist_global_seeds")
     return seeds[0] is not None and all(seed == seeds[0] for seed in seeds)
 
 
 def _same_python_random(hvd):
-    """Whether every rank's Python ``random`` state (Keras's PyDataset shuffle draws from it) is the same."""
-    from kerasdist.plugin_tools import python_random_same_everywhere, sum_by_all_gather
+    """Whether every rank's Python ``random`` state (Keras's PyDataset shuffle draws from it) is the same (or
+    Keras 3.16 draws it from the epoch's number: the same everywhere)."""
+    from kerasdist.plugin_tools import keras_shuffles_by_epoch, python_random_same_everywhere, sum_by_all_gather
+
+    if keras_shuffles_by_epoch():
+        return True
 
     gather = sum_by_all_gather(lambda value: hvd.allgather_object(value, name="kerasdist_random_states"))
     return python_random_same_everywhere(gather, hvd.size())
