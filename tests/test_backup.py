@@ -12,8 +12,8 @@ import pytest
 import tensorflow as tf
 
 import kerasdist
-from kerasdist.plugin_tools import private_backups
-from kerasdist_plugins.multiworker import backup
+from kerasdist.plugin_tools import int_pieces, private_backups
+from kerasdist_plugins.multiworker import backup, strategy_free
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a folder owned by another user")
 
@@ -159,6 +159,31 @@ def test_a_worker_looking_while_the_chief_resumes_sees_the_backup(tmp_path, monk
     assert model._initial_epoch == 3
     assert sorted(os.listdir(tmp_path / "mine")) == sorted(["latest.weights.h5", "training_metadata.json",
                                                             backup.IDENTITY_FILE])  # no temporary file left
+
+
+class TwoWorkerRing:
+    """The ring as rank 0 of two sees it, the other worker having begun fit at ``other_epoch``."""
+
+    rank, size = 0, 2
+
+    def __init__(self, other_epoch):
+        self.other = int_pieces(other_epoch)
+
+    def sum_arrays(self, mine, squares):
+        return mine + self.other, squares + self.other ** 2
+
+
+def test_workers_beginning_fit_at_different_epochs_stop_with_one_error():
+    """What the race above led to: the chief resumed at epoch 2 while the other worker began at 0, their steps
+    paired up, and the run failed later (the chief done, the other waiting) or trained on."""
+    callback = strategy_free.BroadcastFromRankZero(TwoWorkerRing(0))
+    callback.began = False  # as on_train_begin leaves it, after the broadcast of rank 0's weights
+    with pytest.raises(kerasdist.KerasdistError, match=r"different epochs \(worker 0: epoch 2\).*backup_dir"):
+        callback.on_epoch_begin(2)
+    callback = strategy_free.BroadcastFromRankZero(TwoWorkerRing(2))
+    callback.began = False
+    callback.on_epoch_begin(2)
+    callback.on_epoch_begin(3)  # checked once, at fit's first epoch
 
 
 def test_a_truncated_backup_names_the_folder_to_delete(tmp_path):

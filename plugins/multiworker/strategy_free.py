@@ -16,9 +16,9 @@ import weakref
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import (keras_step_order_is_known, mean_state, note_applied, optimizers_held_by,
-                                    start_first_step_check, unique_variables, unsummed_after_first_step,
-                                    unsummed_updates_error)
+from kerasdist.plugin_tools import (int_pieces, keras_step_order_is_known, mean_state, note_applied,
+                                    optimizers_held_by, same_everywhere, start_first_step_check, unique_variables,
+                                    unsummed_after_first_step, unsummed_updates_error)
 
 from .options import STRATEGY_FREE_VAR
 
@@ -260,6 +260,12 @@ class BroadcastFromRankZero(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         broadcast_state(self.model, self.ring)
+        self.began = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if not getattr(self, "began", True):
+            self.began = True
+            check_same_first_epoch(epoch, self.ring)
 
     def on_train_batch_begin(self, batch, logs=None):
         exchange = _exchanges.get(self.model)
@@ -281,6 +287,18 @@ def broadcast_before(method, model, ring, call_kwargs):
         call_kwargs["callbacks"].append(BroadcastFromRankZero(ring))
     elif model not in _broadcast:
         broadcast_state(model, ring)
+
+
+def check_same_first_epoch(epoch, ring):
+    """Raise on every worker when they begin ``fit`` at different epochs: each restored its own view of the backup
+    (one that missed the chief's folder trains from epoch 0 while the chief resumes), and their steps would pair
+    up while their epochs differ, until one stops early and the other waits for it."""
+    if not same_everywhere(int_pieces(epoch), ring.sum_arrays, ring.size):
+        raise KerasdistError(
+            f"multiworker: the workers begin fit at different epochs (worker {ring.rank}: epoch {epoch}): they did "
+            "not all restore the chief's backup. Every worker must see the chief's backup folder: on several "
+            "machines give kerasdist.multiworker(backup_dir=...) on a shared file system (docs/ray.md); to start "
+            "over, delete the backup folder the chief named.")
 
 
 def broadcast_state(model, ring):
