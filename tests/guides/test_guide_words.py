@@ -63,7 +63,11 @@ KNOWN = {
 #: (word, guide) -> why it stops with an error
 STOPS = {}
 #: (word, guide) -> why one process's run is not a fixed reference (a non-strict xfail)
-FLAKY = {("jax-data_parallel", TRANSFER): JAX_NOT_REPRODUCIBLE}
+FLAKY = {("jax-data_parallel", TRANSFER): JAX_NOT_REPRODUCIBLE,
+         **({("torch-data_parallel", TRANSFER): (
+             "Keras 3.16 nightly, torch: 2.8e-9 from one process in one run, 5.9e-4 / 6.4e-4 in a full make "
+             "test-keras-nightly (Dropout's masks: " + DROPOUT_AND_BN.split(" (one process")[0] + ")")}
+            if KERAS_3_16 else {})}
 
 
 
