@@ -53,3 +53,19 @@ def test_a_py_dataset_without_len_and_an_endless_one_are_split():
         assert np.asarray(x).ravel().tolist() == [2.0, 2.0]  # rank 1's 2 rows of batch 2
         share.on_epoch_end()
         assert source.ends == 1
+
+
+def test_a_shuffling_sampler_inside_a_batch_sampler_is_seeded_alike_when_the_ranks_states_differ(monkeypatch):
+    """Where the ranks' random states differ, each shuffling sampler gets rank 0's seed: only ``loader.sampler`` was
+    seeded, so a ``batch_sampler=BatchSampler(RandomSampler(...))`` drew its own order in every rank."""
+    import torch
+
+    from kerasdist_plugins.torch_distributed import data, keras_order
+
+    monkeypatch.setattr(keras_order, "same_everywhere", lambda *states: False)
+    monkeypatch.setattr(data, "shared_seed", lambda: 1234)  # what rank 0 broadcasts
+    rows = torch.utils.data.TensorDataset(torch.arange(8.0)[:, None], torch.zeros(8, 1))
+    inner = torch.utils.data.RandomSampler(rows)
+    loader = torch.utils.data.DataLoader(rows, batch_sampler=torch.utils.data.BatchSampler(inner, 4, False))
+    data.from_data_loader(loader, rank=0, world=2)
+    assert inner.generator is not None and inner.generator.initial_seed() == 1234

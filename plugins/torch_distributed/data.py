@@ -17,7 +17,7 @@ import numpy as np
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import first_array, is_dataset, keras_shuffles_by_epoch
+from kerasdist.plugin_tools import first_array, is_dataset, keras_shuffles_by_epoch, seed_shuffling_samplers
 
 from . import keras_order
 from .training import PLACEHOLDER_MARK
@@ -216,8 +216,7 @@ def from_data_loader(loader, rank, world):
         own_generator = loader.generator is not None
         return from_iterable(lambda: keras_order.start_pass(loader, keep_global_state=not own_generator),
                              len(loader), rank, world, after_pass=(lambda: iter(loader)) if own_generator else None)
-    if isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None:
-        sampler.generator = torch.Generator().manual_seed(shared_seed())  # the same order in every rank
+    seed_shuffling_samplers(loader, shared_seed())  # the same order in every rank (a batch_sampler's sampler too)
     return from_iterable(lambda: loader, len(loader), rank, world)
 
 
