@@ -55,3 +55,17 @@ def keras_3_stays_tf_keras():
             os.environ["TF_USE_LEGACY_KERAS"] = _LEGACY_KERAS_AT_START
         pytest.fail(f"this test left TF_USE_LEGACY_KERAS={leaked!r} in the test process: later tests would get "
                     "Keras 2 as tf.keras (import tensorflow_model_optimization only in a child process)")
+
+
+#: the files that run longest (loaded wall seconds, 2026-11-27), started first: `make test` runs files on 2 xdist
+#: workers in collection order (--dist loadfile), so a long file collected last ran alone at the end
+LONGEST_FIRST = ("test_equivalence.py", "test_torch.py", "test_guide_words.py", "test_ray.py", "test_multiworker.py",
+                 "test_multiworker_strategy_free.py", "test_slurm_real.py", "test_horovod.py", "test_jax_custom_steps.py",
+                 "test_keras_nightly_gate.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files in LONGEST_FIRST first (in that order), then the rest as collected; tests keep their order in a file."""
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    position = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), position[id(item)]))
