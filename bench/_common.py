@@ -161,5 +161,6 @@ def print_result(result):
 
 def results(outputs):
     """The result objects printed by :func:`print_result` in the workers' outputs."""
-    return [json.loads(line.split(RESULT_PREFIX, 1)[1]) for out in outputs for line in out.splitlines()
-            if RESULT_PREFIX in line]
+    decoder = json.JSONDecoder()  # raw_decode: torchrun's ranks share one stdout, a line may run into the next
+    return [decoder.raw_decode(part)[0] for out in outputs for line in out.splitlines()
+            for part in line.split(RESULT_PREFIX)[1:]]

@@ -231,8 +231,10 @@ def _signal_group(proc, signum):
 
 
 def _child_setup():
-    """In each worker: its own process group, and death if the launcher dies (Linux)."""
-    os.setsid()
+    """In each worker: its own process group, and death if the launcher dies (Linux). A process group, not a new
+    session (``setsid``): Linux's scheduler autogroups by session, and a session per worker cost torch workers 3-5%
+    a step against torchrun's (bench/launch_threads.py; docs/benchmarks.md)."""
+    os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             import ctypes
