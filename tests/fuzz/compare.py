@@ -1,0 +1,64 @@
+"""A word's run against one process's: the worst difference, and the outcome.
+
+The difference of two values is ``|got - want| / max(1, |want|)``: relative for values above 1 (losses, large
+weights), absolute below (a weight near 0 has no meaningful relative error). float32 jobs pass within 1e-5: the
+equivalence matrix's bound (docs/equivalence.md), ~100 float32 ulps at 1, room for a different summation order
+over a few dozen steps, and two orders below what a wrong average, a lost row or a doubled step moves (1e-3 and
+up in every defect seen). Mixed precision passes within half an ulp of its 16-bit type at 1 (tests/test_
+equivalence.py's FLOAT16_HALF_ULP / BFLOAT16_HALF_ULP).
+"""
+
+import math
+
+import numpy as np
+
+TOLERANCES = {"float32": 1e-5, "mixed_float16": 2.0 ** -11, "mixed_bfloat16": 2.0 ** -8}
+#: outcomes, worst first (a job's outcome over ranks is the worst any rank saw)
+OUTCOMES = ("DEFECT: raw error", "DEFECT: silent", "refused", "invalid", "exact")
+
+
+def worst_difference(a, b, where=""):
+    """(largest |a - b| / max(1, |b|), where) over two nested results (dicts, lists, arrays, numbers)."""
+    if isinstance(b, dict):
+        if sorted(a) != sorted(b):
+            return float("inf"), f"{where} keys {sorted(a)} != {sorted(b)}"
+        return max((worst_difference(a[k], b[k], f"{where}/{k}") for k in b), default=(0.0, where))
+    if isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return float("inf"), f"{where} length {len(a)} != {len(b)}"
+        return max((worst_difference(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))),
+                   default=(0.0, where))
+    a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
+    if a.shape != b.shape:
+        return float("inf"), f"{where} shape {a.shape} != {b.shape}"
+    difference = np.abs(a - b) / np.maximum(1.0, np.abs(b))
+    if np.isnan(difference).any():
+        return float("inf"), f"{where} (NaN)"
+    return float(np.max(difference, initial=0.0)), where
+
+
+def finite(result):
+    """Whether every number in a nested result is finite."""
+    if isinstance(result, dict):
+        return all(finite(v) for v in result.values())
+    if isinstance(result, (list, tuple)):
+        return all(finite(v) for v in result)
+    return bool(np.all(np.isfinite(np.asarray(result, "float64"))))
+
+
+def tolerance(job):
+    return TOLERANCES[job["policy"]]
+
+
+def classify(job, reference, got):
+    """(outcome, worst, where) of a finished run ``got`` against ``reference``."""
+    worst, where = worst_difference(got, reference)
+    return ("exact" if worst <= tolerance(job) else "DEFECT: silent"), worst, where
+
+
+def worst_outcome(outcomes):
+    return min(outcomes, key=OUTCOMES.index)
+
+
+def figure(worst):
+    return "inf" if math.isinf(worst) else f"{worst:.2g}"
