@@ -302,3 +302,10 @@ def optimizers_held_by(model):
             found.append(value)
             inner.add(id(getattr(value, "inner_optimizer", None)))
     return [o for o in found if id(o) not in inner]
+
+
+# -- a model's own train_step/test_step under the replicas of one process (mirrored, central_storage) -------------
+
+from .custom_replica_steps import custom_steps_train_as_one_device, rows_of, weighted_scalar_updates  # noqa: E402
+
+__all__ += ["custom_steps_train_as_one_device", "rows_of", "weighted_scalar_updates"]

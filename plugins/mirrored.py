@@ -84,11 +84,31 @@ def kerasdist_create_strategy(spec):
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Uneven global batches and gradient accumulation train as on one device."""
     if isinstance(spec, Mirrored):
-        from kerasdist.plugin_tools import replicas_train_as_one_device
+        from kerasdist.plugin_tools import custom_steps_train_as_one_device, replicas_train_as_one_device
 
+        _no_xla_on_cpu_replicas(compile_kwargs, strategy)
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
+        custom_steps_train_as_one_device(model, compile_kwargs, "mirrored")
         _predict_on_empty_replicas(model)
         _evaluate_on_empty_replicas(model)
+
+
+def _no_xla_on_cpu_replicas(compile_kwargs, strategy):
+    """XLA compiles every replica's step for the first CPU, which cannot reach the other CPU replicas' variables
+    (TensorFlow's raw "resource .../replica_1 located in device CPU:1 from device CPU:0" at the first step, stock
+    MirroredStrategy too): jit_compile=True is refused here, "auto" (Keras's default) resolves to no XLA."""
+    cpus = [d for d in strategy.extended.worker_devices if "CPU" in d.upper()]
+    if len(cpus) < 2:
+        return
+    jit_compile = compile_kwargs.get("jit_compile", "auto")
+    if jit_compile is True:
+        raise kerasdist.KerasdistError(
+            f"distribute='mirrored' on CPU replicas cannot train with jit_compile=True: TensorFlow's XLA compiles "
+            f"every replica's step for the first CPU, which cannot reach the other replicas' variables ({cpus}). "
+            "Pass jit_compile=False or 'auto' (Keras's default, no XLA on CPUs), or use "
+            "distribute=\"central_storage\" (its variables live on one device: XLA trains there).")
+    if jit_compile == "auto":
+        compile_kwargs["jit_compile"] = False
 
 
 @kerasdist.hookimpl

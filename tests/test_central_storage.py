@@ -112,3 +112,24 @@ def test_a_py_dataset_trains_in_one_processs_shuffled_order():
     """Issue 29: as under mirrored (tests/test_mirrored.py), a threaded and a plain PyDataset read by batch index;
     before: 5 runs of 5 off (max |dw| 0.2 to NaN), the matrix's 0.026 and val_loss 0.41 in 2 runs of 4."""
     check_py_datasets_train_in_one_processs_shuffled_order("central_storage", runs=2)
+
+
+def test_jit_compile_trains_as_one_process():
+    """KerasHub getting-started's custom model (an Embedding first) with jit_compile=True, which mirrored refuses
+    (XLA on CPU replicas): under central_storage the variables live on one device and XLA trains it exactly."""
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 20, size=(37, 5)), rng.normal(size=(37, 1)).astype("float32")
+
+    def fit(distribute, jit_compile):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=jit_compile,
+                      distribute=distribute)
+        return model, model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+    single, single_losses = fit(None, False)
+    central, losses = fit("central_storage", True)
+    assert central.jit_compile is True
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(single.get_weights(), central.get_weights())) <= 1e-6
+    assert np.allclose(single_losses, losses, atol=1e-6)

@@ -385,3 +385,27 @@ def test_a_generator_as_validation_data_is_refused_naming_the_inputs_that_work()
     call = {"x": x, "y": y, "validation_data": ((x[:16], y[:16]) for _ in range(3))}
     with pytest.raises(kerasdist.KerasdistError, match=r"validation_data=a generator.*PyDataset.*multiworker"):
         read_py_datasets_in_one_processs_order("fit", call, "mirrored")
+
+
+
+def test_jit_compile_on_cpu_replicas_is_refused_at_compile_and_auto_trains_without_xla():
+    """KerasHub getting-started's custom model (an Embedding first) with jit_compile=True died at the first step
+    with TensorFlow's raw "resource .../replica_1 located in device CPU:1 from device CPU:0" (stock
+    MirroredStrategy too): XLA compiles every replica's step for the first CPU. central_storage trains it
+    (tests/test_central_storage.py)."""
+    x = np.random.default_rng(0).integers(0, 20, size=(16, 5))
+    y = np.zeros((16, 1), "float32")
+
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+
+    refused = model()
+    with pytest.raises(kerasdist.KerasdistError, match=r"distribute='mirrored' on CPU replicas cannot train with "
+                                                       r"jit_compile=True.*jit_compile=False or 'auto'"):
+        refused.compile(optimizer="sgd", loss="mse", jit_compile=True, distribute="mirrored")
+    auto = model()
+    auto.compile(optimizer="sgd", loss="mse", jit_compile="auto", distribute="mirrored")
+    auto.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert auto.jit_compile is False

@@ -112,6 +112,10 @@ PIECES = {
         "losses.loss.scale_loss_for_distribution: a Loss's 1/replicas, skipped inside a moved model's call "
         "(add_loss values are scaled once by the trainer)", "tf",
         _everywhere("keras.src.losses.loss:scale_loss_for_distribution")),
+    "loss_unscale_for_distribution": Piece(
+        "losses.loss.unscale_loss_for_distribution: the trackers' x replicas, skipped in a custom step whose "
+        "losses kerasdist leaves unscaled (custom_replica_steps)", "tf",
+        _everywhere("keras.src.losses.loss:unscale_loss_for_distribution")),
     "layer_call_context_attribute": Piece(
         "global_state.get_global_attribute: reads the layer call context ('current_call_ctx', its entry_layer)",
         "tf", _everywhere("keras.src.backend.common.global_state:get_global_attribute")),
