@@ -25,7 +25,7 @@ TORCH_WHEELS ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS))
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench bench-horovod bench-torch venv lock check-lock test-latest test-keras-nightly clean
+.PHONY: demo test bench bench-horovod bench-torch venv lock check-lock test-latest test-keras-nightly fuzz clean
 
 $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) $(NIGHTLY_LOCK) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
 	bash .ci/system_packages.sh
@@ -101,6 +101,13 @@ fresh-venv-test:
 	    bash .ci/build_horovod.sh $(VENV_X)/bin/python; fi
 	$(VENV_X)/bin/python -m pip freeze | grep -iE '^(keras|keras-nightly|tensorflow-cpu|jax|numpy|onnxruntime|protobuf)==' || true
 	$(VENV_X)/bin/python -m pytest $(PYTEST_ARGS) -p no:cacheprovider
+
+# The differential fuzzer's long tier (docs/fuzzing.md): jobs drawn from FUZZ_SEED on, every word, until
+# FUZZ_MINUTES end; the coverage table goes to docs/fuzzing-table.md, each defect's script to FUZZ_OUT/defects.
+FUZZ_MINUTES ?= 30
+FUZZ_SEED ?= 1000
+fuzz: $(STAMP)
+	FUZZ_MINUTES=$(FUZZ_MINUTES) FUZZ_SEED=$(FUZZ_SEED) $(PY) tests/fuzz/long.py
 
 bench: $(STAMP)
 	$(PY) bench/bench_mirrored.py

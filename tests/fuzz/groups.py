@@ -2,8 +2,8 @@
 or launch (tests/fuzz/worker.py), each job's one-process reference trained in that same process.
 
 ``run_group(name, seeds, out_dir, timeout)`` returns {(seed, word): record}, each record the worst any rank saw;
-a job the launch never reached (a hang, a crash) is "DEFECT: raw error" for the first one missing and
-"not run" for the rest.
+the first job some rank never finished (a hang, a crash) is "DEFECT: raw error", the jobs after it, or after a
+raw error in a launch (its ranks stop there, worker.py), "not run".
 """
 
 import json
@@ -72,7 +72,12 @@ def merged(records):
     return max(same, key=lambda r: r.get("worst") or 0.0)
 
 
-def run_group(group, seeds, out_dir, timeout):
+def group_timeout(seeds):
+    """Seconds a group's start may take: 90 s to start, 150 s a job (a loaded machine), at most 600."""
+    return min(600, 90 + 150 * len(seeds))
+
+
+def run_group(group, seeds, out_dir, timeout=None):
     """Every seed's job under every word of ``group`` in one process or launch: {(seed, word): record}."""
     backend, words, start, _ = GROUPS[group]
     os.makedirs(out_dir, exist_ok=True)
@@ -83,7 +88,8 @@ def run_group(group, seeds, out_dir, timeout):
     tag = uuid.uuid4().hex
     began = time.monotonic()
     try:
-        result = run([*command, tag] if start is HOROVOD else command, timeout=timeout, env=env, check=False)
+        result = run([*command, tag] if start is HOROVOD else command, timeout=timeout or group_timeout(seeds),
+                     env=env, check=False)
         tail, code = result.stdout[-3000:], result.returncode
     except AssertionError as error:  # helpers.run's timeout: the group was killed
         tail, code = str(error)[-3000:], "timeout"
@@ -93,16 +99,17 @@ def run_group(group, seeds, out_dir, timeout):
     seconds = time.monotonic() - began
     found = read_records(out_dir, group)
     expected_ranks = 1 if start is None else 2
-    results, missing = {}, False
+    results, stopped = {}, False
     for seed in seeds:
         for word in words:
             records = found.get((seed, word), [])
-            if len(records) == expected_ranks and not missing:
+            if len(records) == expected_ranks and not stopped:
                 results[(seed, word)] = merged(records)
-            else:
-                outcome = "not run" if missing else "DEFECT: raw error"
-                error = None if missing else f"the group ended (exit {code}) in this job: {tail[-1500:]}"
+                stopped = results[(seed, word)]["outcome"] == "DEFECT: raw error" and start is not None
+            else:  # the first job without every rank's record is where the group died or hung
+                outcome = "not run" if stopped else "DEFECT: raw error"
+                error = None if stopped else f"the group ended ({code}) in this job: {tail[-1500:]}"
                 results[(seed, word)] = {"seed": seed, "word": word, "group": group, "outcome": outcome,
                                          "error": error, "backend": backend}
-                missing = True
+                stopped = True
     return results, seconds

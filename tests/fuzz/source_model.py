@@ -125,10 +125,14 @@ def _trunk_lines(model):
         "conv2d": [f'h = layers.Conv2D({units}, 2, padding="same", activation={act}, name="conv")(h)',
                    "h = layers.Flatten()(h)"],
         "rnn": [f'h = layers.{model["rnn"]}({units}, name="rnn")(h)'],
-        "attention": [f'h = layers.MultiHeadAttention(num_heads=2, key_dim=4, name="attention")(h, h)',
+        # no biases: the key bias's gradient is 0 in exact arithmetic (a softmax ignores a shift shared by every
+        # key), so it trains on rounding noise alone, which an adaptive optimizer scales to full steps
+        "attention": ['h = layers.MultiHeadAttention(2, 4, use_bias=False, name="attention")(h, h)',
                       "h = layers.GlobalAveragePooling1D()(h)"],
     }[trunk]
-    return lines + [f'h = layers.Dense({units}, activation={act}, name="dense_1")(h)']
+    # before a BatchNormalization a bias's gradient is 0 in exact arithmetic (the batch mean removes it): no bias
+    bias = ", use_bias=False" if model["norm"] == "batch" else ""
+    return lines + [f'h = layers.Dense({units}, activation={act}{bias}, name="dense_1")(h)']
 
 
 def model_source(job):

@@ -5,7 +5,8 @@ reference (``distribute=None``, trained in this very process), then the job unde
 
 Every rank appends one JSON line per (job, word) to OUT_DIR/outcomes-GROUP-rank{r}.jsonl: seed, word, outcome
 (compare.OUTCOMES), worst difference and where, the error if one was raised, seconds. A job's script is written to
-OUT_DIR/scripts/ and run from there (tracebacks name its lines).
+OUT_DIR/scripts/ and run from there (tracebacks name its lines). Ranks of a launch stop after a job with a raw
+error (exit 3): the launcher starts the rest again.
 """
 
 import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any framework op
@@ -87,13 +88,23 @@ def main(out_dir, group, words, jobs_file):
     this_rank = rank()
     path = os.path.join(out_dir, f"outcomes-{group}-rank{this_rank}.jsonl")
     for job in jobs:
-        for record in run_job(job, words.split(","), out_dir, this_rank):
+        records = run_job(job, words.split(","), out_dir, this_rank)
+        for record in records:
             record.update(seed=job["seed"], backend=job["backend"], group=group, rank=this_rank)
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"[fuzz] {group} rank {this_rank} seed {job['seed']} {record['word']}: {record['outcome']} "
                   f"{record.get('worst', '')} {record.get('error', '')}", flush=True)
+        if several_processes() and any(r["outcome"] == "DEFECT: raw error" for r in records):
+            # the ranks may have left the job at different collectives: the next job's would pair across jobs
+            print(f"[fuzz] {group} rank {this_rank}: stopping after a raw error", flush=True)
+            return 3
+    return 0
+
+
+def several_processes():
+    return bool(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK")) or not kerasdist.detect_cluster().is_local
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    sys.exit(main(*sys.argv[1:5]))
