@@ -101,7 +101,7 @@ class TwoOptimizers(keras.Model):
 
 class GuideModel(keras.Model):
     """keras.io "Customizing what happens in fit() with TensorFlow": compute_loss (a compiled keras Loss),
-    optimizer.apply, ``{m.name: m.result()}``."""
+    optimizer.apply, ``{m.name: m.result()}``; its own test_step as the guide writes it."""
 
     def train_step(self, data):
         x, y = data
@@ -109,6 +109,15 @@ class GuideModel(keras.Model):
             y_pred = self(x, training=True)
             loss = self.compute_loss(y=y, y_pred=y_pred)
         self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        for metric in self.metrics:
+            metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        """The guide's "Providing your own evaluation step"."""
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
         for metric in self.metrics:
             metric.update_state(loss) if metric.name == "loss" else metric.update_state(y, y_pred)
         return {m.name: m.result() for m in self.metrics}
@@ -156,11 +165,17 @@ class _BatchLogs(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.seen.append({k: float(v) for k, v in (logs or {}).items()})
 
+    def on_test_batch_end(self, batch, logs=None):
+        self.on_train_batch_end(batch, logs)
+
 
 def _fit(name, distribute):
     model, x, y = _case(name, distribute)
     batches = _BatchLogs()
     history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[batches])
+    if isinstance(model, GuideModel):  # its own test_step too
+        evaluated = model.evaluate(x, y, batch_size=BATCH, verbose=0, callbacks=[batches], return_dict=True)
+        history.history.update({f"evaluate_{k}": [v] * EPOCHS for k, v in evaluated.items()})
     return model, history.history, batches.seen
 
 
