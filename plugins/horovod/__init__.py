@@ -11,8 +11,8 @@ Launch with ``horovodrun -np 2 -H localhost:2 python train.py``; the script only
   gradient_predivide_factor, average_aggregated_gradients);
 - at the start of ``fit``: the model must be the same on every rank (checked, never a
   hang), then weights and optimizer state are broadcast from rank 0;
-- epoch logs (validation included) and ``evaluate`` results are those of every rank's rows: each metric's
-  state is summed over the ranks before its result is read (other scalars of a custom step: averaged);
+- batch and epoch logs (validation included) and ``evaluate`` results are those of every rank's rows: each
+  metric's state is summed over the ranks before its result is read (other scalars of a custom step: averaged);
 - ``fit``/``evaluate`` data is split between ranks: ``batch_size`` is the global batch (each
   rank takes its part of every batch), as under every strategy; ``batch_size_per_worker=True``
   gives Horovod's semantics (whole batches per rank, global batch = batch_size x ranks);
@@ -223,7 +223,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
             split_call_data(call_kwargs, rank, size, method, _shared_seed(hvd) if method == "fit" else None,
                             keras_order=bool(shuffles) and _same_global_seed(hvd),
                             same_python_random=lambda: _same_python_random(hvd))
-    if spec.average_metrics and method == "fit":
+    callbacks = call_kwargs["callbacks"]  # the list itself: a call above may have given call_kwargs a new one
+    if spec.average_metrics and method in ("fit", "evaluate"):  # evaluate's result: kerasdist_run_call
         callbacks.insert(0, MetricAverageCallback())
     if method == "fit":
         if spec.warmup_epochs and not any(isinstance(c, LearningRateWarmupCallback) for c in callbacks):

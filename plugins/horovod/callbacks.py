@@ -72,8 +72,9 @@ class BroadcastStateCallback(_callback_base()):
 
 
 class MetricAverageCallback(_callback_base()):
-    """Epoch logs (validation included) over every rank, before other callbacks see them: each metric's state
-    summed over the ranks (its training state before validation resets it), other scalars averaged."""
+    """Batch and epoch logs (validation included) over every rank, before other callbacks see them: each metric's
+    state summed over the ranks (at an epoch's end in place: its training state before validation resets it),
+    other scalars averaged."""
 
     def __init__(self):
         super().__init__()
@@ -93,6 +94,19 @@ class MetricAverageCallback(_callback_base()):
 
         if self.fitting and hvd.size() > 1:  # validation is about to reset the training metrics
             self.training = combine_over_ranks(hvd, self.model, {})
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._global_batch_logs(logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._global_batch_logs(logs)
+
+    def _global_batch_logs(self, logs):
+        """Each batch's logs (running values) over every rank, the metric states left as they are."""
+        import horovod.tensorflow as hvd
+
+        if logs and hvd.size() > 1:
+            combine_over_ranks(hvd, self.model, logs, keep_states=True)
 
     def on_epoch_end(self, epoch, logs=None):
         import horovod.tensorflow as hvd

@@ -84,6 +84,7 @@ class GradientReducer:
 
         object.__setattr__(model, "compute_loss", compute_loss)
         _row_counters[model] = holder
+        _count_rows_of_own_steps(model, holder)
 
     def apply(self, optimizer, apply_gradients, grads, variables):
         """All-reduce (every ``passes``-th call, of the local sum) and apply."""
@@ -135,6 +136,35 @@ class GradientReducer:
 
 #: model -> the holder its ``compute_loss`` wrapper records rows into (the latest reducer)
 _row_counters = weakref.WeakKeyDictionary()
+
+
+def _count_rows_of_own_steps(model, holder):
+    """A model's own ``train_step`` (keras.io's VAE: an ``ops.mean`` loss, no ``compute_loss``): its rows are the
+    batch's, and a metric it (or its own ``test_step``) updates with one scalar (a mean of batch losses) weighs this
+    rank's share of the global batch (one all-reduce of the rows), so an uneven last batch trains and logs as one
+    process."""
+    import keras
+
+    from kerasdist.plugin_tools import keras_step_order_is_known, rows_of, weighted_scalar_updates
+
+    def weighted(keras_step, training):
+        def step(data):
+            import horovod.tensorflow as hvd
+            import tensorflow as tf
+
+            rows = rows_of(data)
+            if training:
+                holder.reducer.rows = rows
+            total = hvd.allreduce(rows, op=hvd.Sum, name=f"kerasdist_own_step_rows_{int(training)}")
+            with weighted_scalar_updates(model, rows, tf.math.divide_no_nan(rows, total)):
+                return keras_step(data)
+
+        return step
+
+    if not keras_step_order_is_known(model):
+        object.__setattr__(model, "train_step", weighted(model.train_step, True))
+    if type(model).test_step is not keras.Model.test_step and "test_step" not in vars(model):
+        object.__setattr__(model, "test_step", weighted(model.test_step, False))
 
 
 def _times(gradient, factor):

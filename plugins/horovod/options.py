@@ -44,7 +44,7 @@ class Horovod(kerasdist.StrategySpec):
     :param batch_size_per_worker: ``batch_size`` is each rank's batch and whole batches go to the
         ranks in turn (Horovod's semantics: global batch = batch_size x ranks). Default False:
         ``batch_size`` is the global batch, as under every other strategy.
-    :param average_metrics: epoch logs and ``evaluate`` results over every rank (metric states summed).
+    :param average_metrics: batch and epoch logs and ``evaluate`` results over every rank (metric states summed).
     :param sync_batch_norm: BatchNormalization statistics over the whole global batch (one Horovod
         all-reduce of each layer's sums per step); off by default: each rank normalizes alone.
     """

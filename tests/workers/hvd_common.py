@@ -96,3 +96,104 @@ def uneven_logs(compile_model):
     out.update({f"fit_{k}": np.array(v) for k, v in history.history.items()})
     out["fit_weights"] = np.concatenate([np.ravel(w) for w in model.get_weights()])
     return out
+
+
+def batch_logs():
+    """A callback recording every train and test batch's logs as it sees them (issue 35 item 9: horovod gave each
+    rank its own)."""
+    import keras
+
+    class BatchLogs(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.rows = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.rows.append([float(logs[k]) for k in sorted(logs)])
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.rows.append([float(logs[k]) for k in sorted(logs)])
+
+    return BatchLogs()
+
+
+def mean_loss_step_model():
+    """A custom train_step whose loss is an ``ops.mean`` (no keras Loss, no compute_loss; keras.io's VAE), its
+    tracker named ``total_loss`` and logged as ``loss``; its own test_step updates the tracker alike."""
+    import keras
+    import tensorflow as tf
+
+    class MeanLoss(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden, self.out = keras.layers.Dense(HIDDEN, activation="tanh"), keras.layers.Dense(CLASSES)
+            self.total_loss_tracker = keras.metrics.Mean(name="total_loss")
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+        @property
+        def metrics(self):
+            return [self.total_loss_tracker]
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.sum(keras.ops.square(self(x) - y), axis=1))
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            self.total_loss_tracker.update_state(loss)
+            return {"loss": self.total_loss_tracker.result()}
+
+        def test_step(self, data):
+            x, y = data
+            self.total_loss_tracker.update_state(keras.ops.mean(keras.ops.sum(keras.ops.square(self(x) - y), axis=1)))
+            return {"loss": self.total_loss_tracker.result()}
+
+    return MeanLoss()
+
+
+def embedding_model():
+    import keras
+
+    return keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(10, 4),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(CLASSES)])
+
+
+def issue35_cases(distribute):
+    """hvd_train.py's suite case 12 (the test runs it on one process, ``distribute=None``): per-batch logs of fit
+    (validation batches included) and evaluate with uneven shares; an Embedding's sparse gradients (repeated ids)
+    under Adam and Adagrad; a custom step whose loss is an ``ops.mean``. 21 rows in global batches of 8: the last
+    splits 3 + 2."""
+    import keras
+
+    x, y = data(batches=2)
+    x, y, x_val, y_val = x[:21], y[:21], x[21:28], y[21:28]
+    out = {}
+    model = build_model()
+    model.set_weights(initial_weights(9))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], distribute=distribute)
+    logs = batch_logs()
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(x_val, y_val),
+              validation_batch_size=4, callbacks=[logs])
+    model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[logs])
+    out["batch_logs"] = np.array(logs.rows)
+    ids = np.random.default_rng(3).integers(0, 5, size=(21, 6)).astype("int32")  # ids repeat within each batch
+    for name, optimizer in (("adam", keras.optimizers.Adam(0.05)), ("adagrad", keras.optimizers.Adagrad(0.5))):
+        keras.utils.set_random_seed(0)
+        model = embedding_model()
+        model.compile(optimizer=optimizer, loss="mse", distribute=distribute)
+        history = model.fit(ids, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        out[f"sparse_{name}_weights"] = np.concatenate([np.ravel(w) for w in model.get_weights()])
+        out[f"sparse_{name}_loss"] = np.array(history.history["loss"])
+    keras.utils.set_random_seed(0)
+    model = mean_loss_step_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.05), distribute=distribute)
+    logs = batch_logs()
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[logs],
+                        validation_data=(x_val, y_val), validation_batch_size=4)
+    out["mean_loss_step_evaluate"] = np.array(model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[logs]))
+    out["mean_loss_step_weights"] = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    out["mean_loss_step_loss"] = np.array(history.history["loss"] + history.history["val_loss"])
+    out["mean_loss_step_batch_logs"] = np.array(logs.rows)
+    return out

@@ -144,6 +144,10 @@ def suite(outdir):
     for name, value in common.uneven_logs(compiled).items():
         out[f"uneven_{name}"] = value
 
+    # 12. Issue 35: per-batch logs, an Embedding's sparse gradients (Adam, Adagrad), a custom step's ops.mean loss.
+    for name, value in common.issue35_cases("horovod").items():
+        out[f"issue35_{name}"] = value
+
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **{k: _array(v) for k, v in out.items()})
     print(f"rank {rank}/{size}: suite done", flush=True)
 
