@@ -27,6 +27,7 @@ from kerasdist.plugin_tools import check_choice, check_number
 
 from .masks import (MaskConstraint, check_block, check_kernel_fits, magnitude_mask, mask_for,  # noqa: F401
                     parse_pattern)
+from .host_masks import full_kernel
 from .schedule import last_pruning_step, scheduled_sparsity  # noqa: F401 (public here)
 from .selection import prunable_layers
 from .state import PruningState, forget_state, make_callback, remember_state, state_of
@@ -102,12 +103,13 @@ def _check_int(name, value, minimum):
 # -- public helpers -----------------------------------------------------------------
 
 def sparsity(model):
-    """``{layer name: fraction of exactly-zero kernel weights}`` for the pruned layers."""
+    """``{layer name: fraction of exactly-zero kernel weights}`` for the pruned layers (over the whole kernel:
+    with JAX or PyTorch processes sharing a kernel, call it in every process)."""
     import numpy as np
 
     state = state_of(model)
     layers = state.layers if state is not None and state.layers else prunable_layers(model)
-    return {layer.name: float(np.mean(np.asarray(layer.kernel.numpy()) == 0)) for layer in layers}
+    return {layer.name: float(np.mean(full_kernel(layer.kernel) == 0)) for layer in layers}
 
 
 def strip(model):
@@ -128,7 +130,7 @@ def strip(model):
 
 @kerasdist.hookimpl
 def kerasdist_register_optimizations(register):
-    register("prune", Prune, aliases=("pruning",), backends=("tensorflow",),
+    register("prune", Prune, aliases=("pruning",), backends=("tensorflow", "jax", "torch"),
              description="Magnitude pruning (TFMOT-style polynomial/constant schedules) on any strategy; "
                          "replicas keep identical masks.")
 

@@ -98,4 +98,5 @@ class MaskConstraint:
         self.mask, self.inner = mask, inner
 
     def __call__(self, weight):
-        return (self.inner(weight) if self.inner is not None else weight) * self.mask
+        factor = self.mask.factor() if hasattr(self.mask, "factor") else self.mask  # a HostMask off TensorFlow
+        return (self.inner(weight) if self.inner is not None else weight) * factor
