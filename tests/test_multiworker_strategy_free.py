@@ -46,25 +46,32 @@ def test_strategy_free_training_equals_one_process_on_the_global_batch(tmp_path,
         assert abs(logs[key] - single_logs[key]) <= 1e-5
 
 
-CUSTOM_VARIANTS = ("first", "lower", "two")
+CUSTOM_VARIANTS = ("first", "lower", "two", "vae")
+SPARSE_VARIANTS = ("sparse_sgd", "sparse_adam", "sparse_adamw", "sparse_adagrad", "sparse_rmsprop", "sparse_shared",
+                   "sparse_mixed")  # tests/workers/mw_sparse.py
 #: Keras 3.16 (the nightly) draws each epoch's shuffle from its number: one process's order whatever the seeds
 EPOCH_KEYED = keras_shuffles_by_epoch()
 INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share", "sparse_dataset",
                "shuffled_dataset", "py_dataset_threaded", "arrays_shuffled", "transfer", "added_losses",
-               "data_loader", "tensors", "dict_inputs", "arrays_shuffled_rank_seeds")
+               "data_loader", "tensors", "dict_inputs", "arrays_shuffled_rank_seeds", "diverged")  # diverged: last
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(720)
 def test_custom_train_steps_equal_one_process_weights_and_logs():
     """keras.io's custom ``train_step`` models (compute_loss or the model's own loss function and trackers; a
     second optimizer the model holds, a log no metric backs), trained one after the other in one process: weights
     and every epoch's logs equal plain Keras on the global batch. Before: "None values not supported" (no
-    compute_loss), each worker logging its own loss, a second optimizer's gradients never summed."""
-    launched, single = _both(CUSTOM_STEP, ("in_dict", "per_row", *CUSTOM_VARIANTS))
-    for variant in CUSTOM_VARIANTS:
+    compute_loss), each worker logging its own loss, a second optimizer's gradients never summed. Issue 35 item 7:
+    keras.io's VAE (its log ``loss`` is the ``total_loss`` tracker's result; trackers fed one scalar per step; an
+    uneven last batch) logged the workers' average of their own results (per batch and epoch). Item 1: an
+    Embedding's sparse gradients were summed dense, and adaptive optimizers then trained another model:
+    SPARSE_VARIANTS, within 1e-6 (float16 compute: 1e-4)."""
+    launched, single = _both(CUSTOM_STEP, ("in_dict", "per_row", *CUSTOM_VARIANTS, *SPARSE_VARIANTS), timeout=400)
+    for variant in CUSTOM_VARIANTS + SPARSE_VARIANTS:
+        atol = 1e-5 if variant in CUSTOM_VARIANTS else 1e-4 if variant == "sparse_mixed" else 1e-6
         for rank in (0, 1):
-            _assert_same(launched[rank][variant], single[variant], f"{variant} rank {rank}")
+            _assert_same(launched[rank][variant], single[variant], f"{variant} rank {rank}", atol)
     for rank in (0, 1):  # an optimizer kept in a dict applied each worker's own gradients, silently
         raised = str(launched[rank]["in_dict"]["error"])
         assert "dense_1/kernel" in raised and "self.d_optimizer" in raised, raised
@@ -89,7 +96,8 @@ def test_other_inputs_and_losses_equal_one_process():
     every worker trained every row: the summed ``rows`` metric counted each twice; a shuffling DataLoader in each
     worker's own order, weights 0.035 off). One process trains them in turn."""
     launched, single = _both(INPUTS, INPUT_CASES)
-    for case in INPUT_CASES:
+    _assert_diverged_ranks_stop_naming_both(launched, single)
+    for case in INPUT_CASES[:-1]:
         for rank in (0, 1):
             got = launched[rank][case]
             for key in got:
@@ -100,11 +108,11 @@ def test_other_inputs_and_losses_equal_one_process():
                 _assert_same(got, single[case], f"{case} rank {rank}")
 
 
-def _both(script, names):
+def _both(script, names, timeout=240):
     """Each name's RESULT per rank under `kerasdist launch -n 2`, and in one plain process."""
     launched = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", script, ",".join(names), "multiworker"],
-                   timeout=240).stdout
-    single = run(python(script, ",".join(names), "none"), timeout=180).stdout
+                   timeout=timeout).stdout
+    single = run(python(script, ",".join(names), "none"), timeout=timeout * 3 // 4).stdout
     return [_results(launched, f"[{rank}] ") for rank in (0, 1)], _results(single, "")
 
 
@@ -117,10 +125,10 @@ def _results(output, prefix):
     return found
 
 
-def _assert_same(got, want, where):
+def _assert_same(got, want, where, atol=1e-5):
     assert sorted(got) == sorted(want) and len(got) >= 2, where
     for key in got:  # the weights, then every logged value of every epoch
-        np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=f"{where}: {key}")
+        np.testing.assert_allclose(got[key], want[key], atol=atol, err_msg=f"{where}: {key}")
 
 
 @pytest.mark.timeout(60)

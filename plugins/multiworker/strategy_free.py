@@ -5,7 +5,9 @@ Each worker compiles and fits under TensorFlow's default strategy (one replica, 
 the MultiWorkerMirroredStrategy joined at ``import kerasdist`` only agrees on the ring at ``compile``.
 Per step ONE ring message carries every dense gradient times this worker's rows, the rows, and the
 loss times the rows: the sums give the gradient of the global batch's mean loss, and the ``loss``
-log is corrected to the global running mean. At the start of ``fit`` rank 0's weights and optimizer
+log is corrected to the global running mean. Sparse gradients (an Embedding's ``tf.IndexedSlices``) stay
+sparse: their slice counts ride in that message, then every worker's slices are gathered in rank order
+(sparse_slices.py), as one process's optimizer takes them. At the start of ``fit`` rank 0's weights and optimizer
 state are broadcast over the ring; every batch is split between the workers (``batch_size`` is the
 global batch, as under the strategy). Compiled metrics' states are summed over the ring in a second,
 small message, only when the model has such metrics (evaluate: every metric, the loss too).
@@ -20,6 +22,7 @@ from kerasdist.plugin_tools import (int_pieces, keras_step_order_is_known, mean_
                                     optimizers_held_by, same_everywhere, start_first_step_check, unique_variables,
                                     unsummed_after_first_step, unsummed_updates_error)
 
+from . import sparse_slices, step_metrics
 from .options import STRATEGY_FREE_VAR
 
 #: model -> _Exchange (what its train step's ring exchange needs)
@@ -118,23 +121,34 @@ def _wrap_apply(model, optimizer, exchange):
         import tensorflow as tf
 
         note_applied(model, model.trainable_variables if trainable_variables is None else trainable_variables)
-        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        grads = list(grads)
         rows = exchange.rows if exchange.rows is not None else tf.constant(1.0)  # outside fit: a plain mean
         summed = _summed_losses.get(model, False)
         weight = tf.constant(1.0) if summed else rows  # a mean loss's gradient counts as many times as its rows
         loss, exchange.loss = (exchange.loss, None) if optimizer is model.optimizer else (None, exchange.loss)
-        dense = [i for i, g in enumerate(grads) if g is not None]
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
         has_rows = rows > 0  # an empty share (a batch smaller than the workers) adds nothing, NaN included
 
         def weighted(value):
             return tf.where(has_rows, value * tf.cast(weight, value.dtype), tf.zeros_like(value))
 
         totals = [rows] if loss is None else [rows, weighted(loss)]
-        sums = exchange.ring.sum_tensors([weighted(grads[i]) for i in dense] + [tf.stack(totals)])
+        counts = [sparse_slices.slice_counts(grads, sparse, exchange.ring, has_rows)] if sparse else []
+        sums = exchange.ring.sum_tensors([weighted(grads[i]) for i in dense] + counts + [tf.stack(totals)])
         total_rows = sums[-1][0]
         divisor = tf.constant(1.0) if summed else total_rows
-        for i, total in zip(dense, sums[:-1]):
-            grads[i] = tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
+
+        def averaged(total):
+            return tf.math.divide_no_nan(total, tf.cast(divisor, total.dtype))
+
+        for i, total in zip(dense, sums):
+            grads[i] = averaged(total)
+        if sparse:  # kept sparse: every worker's slices, as one process's optimizer takes them
+            own = [tf.IndexedSlices(grads[i].values * tf.cast(weight, grads[i].values.dtype), grads[i].indices,
+                                    grads[i].dense_shape) for i in sparse]
+            for i, every in zip(sparse, sparse_slices.gather_slices(own, sums[-2], exchange.ring, has_rows)):
+                grads[i] = tf.IndexedSlices(averaged(every.values), every.indices, every.dense_shape)
         if loss is not None and exchange.tracker_before is not None:  # Keras's own step: the global batch's loss
             total, count, total_before, count_before = exchange.tracker_before
             loss_sum = sums[-1][1] * (total_rows if summed else 1.0)  # the tracker weighs each loss by its rows
@@ -178,23 +192,43 @@ def _wrap_steps(model, exchange):
 
 
 def _summed_step(model, exchange, keras_step, data, skip_loss):
+    import tensorflow as tf
+
     variables = _metric_variables(model, skip_loss)
     before = [v.value + 0 for v in variables]
     kept = _kept_if_empty(model, exchange.rows)
-    logs = keras_step(data)
+    with step_metrics.watched_metrics(model.metrics) as watched:
+        logs = keras_step(data)
     kept()
     loose = [] if exchange.own_step else _loose_logs(model, logs)
+    results = {k: watched.metric_of(logs[k]) for k in loose}  # a log that is a metric's result() is its result
+    loose = [k for k in loose if results[k] is None]
     if not variables and not loose:
         return logs
-    sums = exchange.ring.sum_tensors([v.value - b for v, b in zip(variables, before)]
-                                     + [keras.ops.cast(logs[k], "float32") for k in loose])
-    for v, b, total in zip(variables, before, sums):
-        v.assign(b + total)
+    rows = exchange.rows
+    shared = set() if _summed_losses.get(model, False) else set(map(id, _variables_of(watched.scalar_fed)))
+    weights = [tf.where(rows > 0, rows, 0.0) if id(v) in shared else None for v in variables]
+    sums = exchange.ring.sum_tensors([_times(v.value - b, w) for v, b, w in zip(variables, before, weights)]
+                                     + [keras.ops.cast(logs[k], "float32") for k in loose] + [tf.reshape(rows, [1])])
+    total_rows = sums[-1][0]
+    for v, b, w, total in zip(variables, before, weights, sums):  # a scalar's share: its rows / the global batch's
+        v.assign(b + (total if w is None else tf.math.divide_no_nan(total, tf.cast(total_rows, total.dtype))))
     if exchange.own_step:
         return dict(logs, **model.get_metrics_result())
     by_name = {m.name: m for m in model.metrics}
-    logs = {k: by_name[k].result() if k in by_name else v for k, v in logs.items()}
-    return dict(logs, **{k: total / exchange.ring.size for k, total in zip(loose, sums[len(variables):])})
+    logs = {k: by_name[k].result() if k in by_name else results[k].result() if results.get(k) is not None else v
+            for k, v in logs.items()}
+    return dict(logs, **{k: total / exchange.ring.size for k, total in zip(loose, sums[len(variables):-1])})
+
+
+def _times(delta, weight):
+    import tensorflow as tf
+
+    return delta if weight is None else tf.where(weight > 0, delta * tf.cast(weight, delta.dtype), tf.zeros_like(delta))
+
+
+def _variables_of(metrics):
+    return [v for m in metrics for v in m.variables]
 
 
 def _kept_if_empty(model, rows):

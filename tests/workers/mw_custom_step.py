@@ -8,7 +8,8 @@ in this process. Prints RESULT <variant> {"w": all weights, and the history}. Fr
 with the built-in methods" (a stock Keras model; issue 29 item 4, run with KERASDIST_STRATEGY_FREE=off too):
 ``true_positives`` (its CategoricalTruePositives metric, an uneven global batch, validation_data, evaluate's logs),
 ``loaded`` (saved after fit, keras.models.load_model, fit again), ``shuffled_arrays`` (fit(shuffle=True) after
-keras.utils.set_random_seed), ``threaded`` (a PyDataset(workers=4)).
+keras.utils.set_random_seed), ``threaded`` (a PyDataset(workers=4)). Embeddings under adaptive optimizers:
+mw_sparse.VARIANTS (issue 35 item 1); ``vae``: keras.io's VAE (issue 35 item 7).
 
     python mw_custom_step.py first,lower,two multiworker|none
 """
@@ -21,6 +22,9 @@ import sys
 import keras
 import numpy as np
 import tensorflow as tf
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(os.path.dirname(__file__), "..", "..")]
+import mw_sparse  # noqa: E402
 
 variants = sys.argv[1].split(",")
 distribute = sys.argv[2] if sys.argv[2] != "none" else None
@@ -108,6 +112,24 @@ class PerRowLog(CustomModel):
         return dict(super().train_step(data), y_pred=self(data[0], training=False))
 
 
+def vae():
+    """keras.io's VAE (tests/test_tf_custom_steps.py: its trackers total_loss, reconstruction_loss and kl_loss, each
+    fed one scalar per step; its log ``loss`` is total_loss's result), Adam: 53 images in batches of 12, the last
+    batch's 5 rows give the workers 2 and 3 (issue 35 item 7)."""
+    from tests.test_tf_custom_steps import _vae
+
+    keras.utils.set_random_seed(0)
+    model = _vae()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), distribute=distribute)
+    data = np.random.default_rng(2).random((53, 4, 4, 1)).astype("float32")
+    batches = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: [
+        history.setdefault(f"batch_{k}", []).append(float(v)) for k, v in logs.items()])
+    history = {}
+    history.update(model.fit(data, epochs=2, batch_size=12, shuffle=False, verbose=0, callbacks=[batches]).history)
+    w = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
+    print("RESULT vae " + json.dumps({"w": w.tolist(), **history}), flush=True)
+
+
 class CategoricalTruePositives(keras.metrics.Metric):
     """keras.io's custom metric: add_weight in __init__, its variable as its result."""
 
@@ -166,6 +188,10 @@ def guide(variant):
 
 
 def train(variant):
+    if variant == "vae":
+        return vae()
+    if variant in mw_sparse.VARIANTS:
+        return mw_sparse.train(variant, distribute)
     if variant in GUIDE:
         return guide(variant)
     if variant == "per_row" and distribute is None:  # only its refusal is checked
