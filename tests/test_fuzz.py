@@ -15,20 +15,26 @@ from fuzz.groups import GROUPS, run_group
 from fuzz.source import script
 from runif import run_if
 
-#: group -> seeds; each seed's job runs under every word of the group, all in one process start
+#: group -> seeds; each seed's job runs under every word of the group, all in one process start. 267: keras.io's
+#: lower-level custom step (ops.mean loss, a tracker named total_loss), which took twice one process's step under
+#: mirrored (issue 35 item 6) and logged another loss under multiworker (item 7); 21: Embedding over repeated ids
+#: + Adagrad (item 1); 1000: Conv1D, a nested model, two outputs, Ftrl, a generator, initial_epoch.
 SEEDS = {
-    "tf_local": [1, 2, 267],
-    "tf_multiworker": [1, 21],
-    "tf_multiworker_mwms": [1],
-    "tf_horovod": [1],
+    "tf_local": [267],
+    "tf_multiworker": [21, 267],
+    "tf_horovod": [21],
     "jax_local": [1000],
     "jax_processes": [1000],
-    "torch": [1],
+    "torch": [1000],
 }
 #: (group, seed, word) -> the open defect the seed hits (strict xfail: the test fails once it is exact)
 KNOWN = {
-    ("tf_multiworker", 21, "multiworker"): "issue 35 item 1: Embedding + Adagrad under the strategy-free step "
-                                           "(sparse gradients made dense before the sum)",
+    ("tf_horovod", 21, "horovod"): (
+        "horovod: FailedPreconditionError 'Mismatched ALLREDUCE tensor shapes: One rank sent a tensor of shape [32], "
+        "but another rank sent a tensor of shape [28]' (kerasdist_metric_sums; Embedding + Adagrad, two outputs, "
+        "ModelCheckpoint; found by the fuzzer)"),
+    ("torch", 1000, "fsdp"): "fsdp: RuntimeError 'The size of tensor a (5) must match the size of tensor b (4)' "
+                             "(a Conv1D model with two outputs; found by the fuzzer)",
 }
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
@@ -84,8 +90,8 @@ def test_a_drawn_job_trains_as_one_process_or_is_refused(group, seed, word, outc
 @pytest.mark.timeout(600)
 def test_a_launched_worker_without_a_word_trains_as_one_process(outcomes):
     """The references of a launch (distribute=None in each rank) equal one plain process's: the same seed's
-    reference digest in tf_multiworker's ranks as in tf_local's single process."""
-    local, launched = outcomes("tf_local")[(1, "mirrored")], outcomes("tf_multiworker")[(1, "multiworker")]
+    reference digest in jax_processes' ranks as in jax_local's single process."""
+    local, launched = outcomes("jax_local")[(1000, "hybrid")], outcomes("jax_processes")[(1000, "data_parallel")]
     assert abs(local["reference"] - launched["reference"]) <= 1e-6 * local["reference"], (local, launched)
 
 

@@ -90,12 +90,15 @@ def run_group(group, seeds, out_dir, timeout=None):
     try:
         result = run([*command, tag] if start is HOROVOD else command, timeout=timeout or group_timeout(seeds),
                      env=env, check=False)
-        tail, code = result.stdout[-3000:], result.returncode
+        output, code = result.stdout, f"exit {result.returncode}"
     except AssertionError as error:  # helpers.run's timeout: the group was killed
-        tail, code = str(error)[-3000:], "timeout"
+        output, code = str(error), "timed out"
     finally:
         for pid in processes_with(tag) if start is HOROVOD else ():
             os.kill(pid, 9)
+    tail = output[-3000:]
+    with open(jobs_file.replace(".json", ".log"), "w") as f:  # the tracebacks of the group's raw errors
+        f.write(output)
     seconds = time.monotonic() - began
     found = read_records(out_dir, group)
     expected_ranks = 1 if start is None else 2

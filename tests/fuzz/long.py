@@ -4,7 +4,7 @@
         .venv/bin/python tests/fuzz/long.py
 
 Each group (groups.GROUPS) takes the next FUZZ_CHUNK seeds in turn, in one process start, the groups round-robin,
-all groups on the same seeds. Every record goes to FUZZ_OUT/records.jsonl; each defect prints its seed and figure
+all groups on the same seeds. FUZZ_RECORDS=records.jsonl writes the table of an earlier run only. Every record goes to FUZZ_OUT/records.jsonl; each defect prints its seed and figure
 and writes a standalone script to FUZZ_OUT/defects/. The table goes to docs/fuzzing-table.md (FUZZ_TABLE=path).
 """
 
@@ -117,7 +117,11 @@ def main():
         sys.exit(f"FUZZ_GROUPS: unknown {unknown}; known: {sorted(GROUPS)}")
     out_dir = os.environ.get("FUZZ_OUT") or os.path.join("/tmp", f"kerasdist-fuzz-{int(time.time())}")
     os.makedirs(out_dir, exist_ok=True)
-    records = fuzz(minutes, first_seed, groups, int(os.environ.get("FUZZ_CHUNK", "5")), out_dir)
+    if os.environ.get("FUZZ_RECORDS"):  # only the table, from a run's records.jsonl
+        with open(os.environ["FUZZ_RECORDS"]) as f:
+            records = [json.loads(line) for line in f]
+    else:
+        records = fuzz(minutes, first_seed, groups, int(os.environ.get("FUZZ_CHUNK", "5")), out_dir)
     text = table(records, minutes, first_seed)
     path = os.environ.get("FUZZ_TABLE", os.path.join(ROOT, "docs", "fuzzing-table.md"))
     with open(path, "w") as f:
