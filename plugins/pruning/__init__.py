@@ -10,6 +10,9 @@ process to Keras 2 on import):
   ``n - round(sparsity * n)`` largest-magnitude weights of each kernel (exact top-k, so the
   sparsity is exact). It runs in cross-replica context: each mask is computed once and written to
   every replica, which therefore stay identical.
+- On JAX and PyTorch (see :mod:`.host_masks`) each mask is computed in every process from the whole
+  kernel, gathered over devices, processes and fsdp shards, and the constraint multiplies by it (JAX: a
+  constant of the traced step, re-traced when a mask changes; PyTorch: one tensor updated in place).
 - The schedule math is TFMOT's ``PolynomialDecay`` / ``ConstantSparsity``, re-implemented here.
 - ``logs["sparsity"]`` (History, TensorBoard, progress bar) reports the pruned fraction at the end
   of each epoch, after any pruning step due then (``end_step`` included), so the last epoch's value
@@ -131,8 +134,8 @@ def strip(model):
 @kerasdist.hookimpl
 def kerasdist_register_optimizations(register):
     register("prune", Prune, aliases=("pruning",), backends=("tensorflow", "jax", "torch"),
-             description="Magnitude pruning (TFMOT-style polynomial/constant schedules) on any strategy; "
-                         "replicas keep identical masks.")
+             description="Magnitude pruning (TFMOT-style polynomial/constant schedules) on any strategy of "
+                         "TensorFlow, JAX and PyTorch; replicas, ranks and shards keep one mask.")
 
 
 @kerasdist.hookimpl
