@@ -38,7 +38,9 @@ from .cluster import slurm_step_tasks
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
 from .process_group import gather_across_processes, process_group_size, set_process_group
-from .same_state import digest_pieces, int_pieces, python_random_same_everywhere, same_everywhere, sum_by_all_gather
+from .agreement import check_agreement
+from .same_state import (data_loader_draws_alike, digest_pieces, int_pieces, python_random_same_everywhere,
+                         same_everywhere, sum_by_all_gather)
 from .step_checks import note_applied, start_first_step_check, unsummed_after_first_step, unsummed_updates_error
 from .variables import unique_variables
 
@@ -50,6 +52,9 @@ __all__ = [
     "input_kind", "unique_variables", "local_replica_devices",
     # do all ranks hold the same random state? (one process's shuffle order)
     "digest_pieces", "int_pieces", "same_everywhere", "python_random_same_everywhere", "sum_by_all_gather",
+    "data_loader_draws_alike",
+    # do the ranks start the same fit/evaluate? (one fingerprint per call and epoch, one tiny collective)
+    "check_agreement",
     "in_shared_order", "keras_shuffles_by_epoch",
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # process-wide state (one home, one reset): process_state.slot / on_reset / reset

@@ -60,3 +60,22 @@ def sum_by_all_gather(all_gather_object):
                 for i in range(len(arrays))]
 
     return sum_arrays
+
+
+def data_loader_states(loader):
+    """The torch generator states a ``DataLoader``'s pass draws from: torch's global generator (a shuffling
+    sampler without ``generator=`` seeds itself from it, and so does the pass's base seed), the loader's and its
+    samplers' own."""
+    import torch
+
+    samplers = (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None))
+    generators = [g for g in (getattr(loader, "generator", None), *(getattr(s, "generator", None) for s in samplers))
+                  if g is not None]
+    return [torch.get_rng_state(), *(g.get_state() for g in generators)]
+
+
+def data_loader_draws_alike(loader, sum_arrays, size):
+    """Whether every rank's ``loader`` draws one process's batches in one process's order: every rank holds the
+    same generator states (the same script after ``keras.utils.set_random_seed``, or torch's fixed default seed).
+    Where not, seed its shuffling samplers with one shared seed (``seed_shuffling_samplers``)."""
+    return same_everywhere(digest_pieces(*data_loader_states(loader)), sum_arrays, size)

@@ -108,6 +108,16 @@ def test_other_inputs_and_losses_equal_one_process():
                 _assert_same(got, single[case], f"{case} rank {rank}")
 
 
+def _assert_diverged_ranks_stop_naming_both(launched, single):
+    """Issue 35 item 2: rank 1 left trial 1's fit (a failed checkpoint write) for trial 2's model of the same shapes
+    while rank 0 still trained trial 1 (before: their steps paired across the two models, then a hang)."""
+    assert single["diverged"]["errors"].size == 0
+    want = ("rank 1 is in fit #1 of model 'trial_2' (its start)", "rank 0 in fit #1 of model 'trial_1' (epoch 1)")
+    for rank in (0, 1):
+        raised = str(launched[rank]["diverged"]["errors"][-1])
+        assert raised.startswith("KerasdistError: distribute='multiworker'") and all(w in raised for w in want), raised
+
+
 def _both(script, names, timeout=240):
     """Each name's RESULT per rank under `kerasdist launch -n 2`, and in one plain process."""
     launched = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", script, ",".join(names), "multiworker"],

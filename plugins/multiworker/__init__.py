@@ -13,8 +13,8 @@ import sys
 
 import kerasdist
 from kerasdist import ClusterConfigError, KerasdistError
-from kerasdist.plugin_tools import (input_kind, is_dataset, keras_backend, number_from_env, private_backups,
-                                    set_process_group)
+from kerasdist.plugin_tools import (check_agreement, input_kind, is_dataset, keras_backend, number_from_env,
+                                    private_backups, set_process_group)
 
 from .gradients import (agree_on_ring, all_gather_text, gradient_transport, same_global_seed_everywhere,
                         use_ring)
@@ -238,6 +238,9 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     read_py_datasets_in_one_processs_order(method, call_kwargs, "multiworker")  # MWMS prefetches as Mirrored does
     if method in ("fit", "evaluate"):
         ring = use_ring(model, strategy, method)
+        if state.ring:  # else TensorFlow's collectives carry everything: not checked
+            check_agreement(method, model, call_kwargs, rank=state.ring.rank, size=state.ring.size,
+                            sum_arrays=state.ring.sum_arrays, word="multiworker")
     index = None
     if method == "fit":
         from kerasdist.plugin_tools import may_split_unevenly, set_batch_share_weighting
@@ -257,6 +260,8 @@ def _adjust_strategy_free_call(method, call_kwargs, model, spec):
     from . import inputs, strategy_free
 
     ring = state.ring
+    check_agreement(method, model, call_kwargs, rank=ring.rank, size=ring.size, sum_arrays=ring.sum_arrays,
+                    word="multiworker")
     index = private_backups.count_fit() if method == "fit" else None
     if method in ("fit", "evaluate"):
         strategy_free.install(model, ring)

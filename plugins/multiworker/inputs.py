@@ -4,8 +4,8 @@ global batch, as under the strategy), from batches every worker reads alike; an 
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import (arrays_as_dataset, in_shared_order, input_kind, int_pieces,
-                                    python_random_same_everywhere, same_everywhere, seed_shuffling_samplers,
+from kerasdist.plugin_tools import (arrays_as_dataset, data_loader_draws_alike, in_shared_order, input_kind,
+                                    int_pieces, python_random_same_everywhere, same_everywhere, seed_shuffling_samplers,
                                     keras_shuffles_by_epoch, split_batches, split_validation, tf_global_seed)
 
 
@@ -62,8 +62,9 @@ def _same_python_random(ring):
 
 def split_dataset(dataset, kind, ring, seed):
     """This worker's part of every batch of a ``tf.data.Dataset``, ``keras.utils.PyDataset``, generator or torch
-    ``DataLoader``. A dataset is made deterministic, a DataLoader's shuffling sampler seeded with ``seed``: every
-    worker must slice the same batch."""
+    ``DataLoader``. A dataset is made deterministic; a shuffling DataLoader draws one process's order where every
+    worker holds the same torch generator states, else its shuffling sampler is seeded with ``seed``: every worker
+    must slice the same batch."""
     if kind == "tf.data":
         import tensorflow as tf
 
@@ -71,7 +72,8 @@ def split_dataset(dataset, kind, ring, seed):
         options.deterministic = True
         dataset = dataset.with_options(options)
     elif kind == "torch_dataloader":
-        seed_shuffling_samplers(dataset, seed)
+        if not data_loader_draws_alike(dataset, ring.sum_arrays, ring.size):
+            seed_shuffling_samplers(dataset, seed)  # else every worker draws one process's order
     elif kind not in ("py_dataset", "generator"):
         return None
     return split_batches(dataset, ring.rank, ring.size)

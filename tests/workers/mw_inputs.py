@@ -42,6 +42,8 @@ class AddedLosses(keras.layers.Layer):
 def train(case):
     if case == "transfer":
         return transfer()
+    if case == "diverged":
+        return diverged()
     if case in INPUT_KINDS:
         return other_kinds(case)
     keras.utils.set_random_seed(0)
@@ -152,9 +154,8 @@ def other_kinds(case):
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(a), torch.tensor(b)),
                                                batch_size=BATCH, shuffle=shuffle, num_workers=workers)
 
+        torch.manual_seed(0)  # issue 35 item 10: one process's order (before: each worker seeded kerasdist's own)
         train = loader(x, y, shuffle=True, workers=1)
-        if word == "none":  # the order multiworker gives every worker
-            train.sampler.generator = torch.Generator().manual_seed(1337)
         history = model.fit(train, validation_data=loader(x_val, y_val), **fit)
     elif case == "tensors":
         import jax.numpy as jnp
@@ -188,6 +189,34 @@ def transfer():
         histories[f"{phase}_base"] = np.concatenate([np.ravel(v) for v in base.get_weights()]).tolist()
     w = np.concatenate([np.ravel(v) for v in model.get_weights()])
     print("RESULT transfer " + json.dumps({"w": w.tolist(), **histories}), flush=True)
+
+
+def diverged():
+    """Issue 35 item 2, as KerasTuner does it: a trial's fit fails on rank 1 only (its checkpoint write), which goes
+    on to the next trial's model, of the same shapes, while rank 0 still trains the first (before: their steps
+    paired, the two models' gradients averaged, then a hang). Every rank raises one error naming both sides."""
+    rank = kerasdist.detect_cluster().task_index if word != "none" else 0
+    rng = np.random.default_rng(6)
+    x, y = rng.random((64, 5)).astype("float32"), rng.random((64, 1)).astype("float32")
+
+    class FailsOnRankOne(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if rank == 1:
+                raise OSError("unable to lock file (simulated)")
+
+    errors = []
+    for trial in (1, 2):
+        keras.utils.set_random_seed(trial)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)], name=f"trial_{trial}")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute=None if word == "none" else word)
+        try:
+            model.fit(x, y, batch_size=BATCH, epochs=3, verbose=0, callbacks=[FailsOnRankOne()])
+        except OSError as exc:  # KerasTuner marks the trial failed and goes on
+            errors.append(f"{type(exc).__name__}: {exc}")
+        except kerasdist.KerasdistError as exc:  # the ranks are out of step for good: the last case
+            errors.append(f"{type(exc).__name__}: {exc}")
+            break
+    print("RESULT diverged " + json.dumps({"errors": errors}), flush=True)
 
 
 for case in cases:  # several models in one process, one after the other
