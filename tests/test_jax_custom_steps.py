@@ -19,7 +19,8 @@ ENV = {"KERAS_BACKEND": "jax", "XLA_FLAGS": "--xla_force_host_platform_device_co
 #: Each trains as one device; over several processes also "unseeded_shuffled_arrays", and
 #: "per_process_shuffle" is one clear error.
 CASES = ("first_guide", "lower_level_guide", "test_step_guide", "compiled_user_metric", "transfer_learning",
-         "model_parallel_guide", "added_losses", "unbuilt_sequential")
+         "model_parallel_guide", "added_losses", "unbuilt_sequential", "own_data_parallel_object",
+         "own_model_parallel_object", "weather_callbacks")
 
 
 def _results(out, processes):
@@ -29,7 +30,7 @@ def _results(out, processes):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("one") / "steps.json")
-    run(python(WORKER, out), timeout=300, env=child_env(**ENV))
+    run(python(WORKER, out), timeout=420, env=child_env(**ENV))
     return _results(out, 1)
 
 
@@ -37,7 +38,7 @@ def one_process(tmp_path_factory):
 def two_processes(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two") / "steps.json")
     kerasdist_command = os.path.join(os.path.dirname(sys.executable), "kerasdist")
-    run([kerasdist_command, "launch", "-n", "2", WORKER, out], timeout=400, env=child_env(**ENV))
+    run([kerasdist_command, "launch", "-n", "2", WORKER, out], timeout=520, env=child_env(**ENV))
     return _results(out, 2)
 
 
@@ -55,7 +56,7 @@ def _check_as_one_device(result, case, where):
     assert _close(result["evaluated"], result["plain_evaluated"]), (where, case, result["evaluated"])
 
 
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(480)
 def test_custom_steps_trackers_compiled_metrics_and_uneven_batches_on_one_process_of_2_devices(one_process):
     """Before: the lower-level guide's trackers and a compiled BinaryAccuracy crashed ("incompatible devices":
     their variables were not on the mesh); a last batch of 15 rows crashed in make_array_from_process_local_data."""
@@ -67,10 +68,24 @@ def test_custom_steps_trackers_compiled_metrics_and_uneven_batches_on_one_proces
     assert result["compiled_user_metric"]["predict_diff"] <= 1e-6
     assert result["transfer_learning"]["history"]["base_moved"][0] > 1e-4  # unfrozen: it trained, as one device
     assert result["model_parallel_guide"]["kernel_spec"] == "P(None, 'model')"
+    _check_users_distributions_and_writes(result)
+
+
+def _check_users_distributions_and_writes(result):
+    """A user's own DataParallel / ModelParallel (a regex LayoutMap, as the Gemma guide's) as distribute= trains
+    as the equivalent spec, an uneven last batch included (before: JAX's IndivisibleError). The weather
+    example's callbacks: the files one process writes, each once, by process 0 (before, over 2 processes: a
+    raw AssertionError from device_put after process 0's first ModelCheckpoint save)."""
+    assert result["own_data_parallel_object"]["kernel_spec"] == "P(None, None)"
+    assert result["own_model_parallel_object"]["kernel_spec"] == "P('model', 'batch')"
+    weather = result["weather_callbacks"]
+    assert len(weather["history"]["loss"]) == 3  # 2 epochs, then the third resumed from the backup
+    assert weather["written"] == weather["plain_written"], (weather["written"], weather["plain_written"])
+    assert "./best-1.weights.h5" in weather["written"] and "backup/latest.weights.h5" in weather["written"]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(460)
+@pytest.mark.timeout(580)
 def test_custom_steps_tf_data_and_evaluate_over_2_processes_equal_one_device_and_every_rank(two_processes):
     """Before: tf.data was refused over several processes, and evaluate failed ("Arguments not recognized:
     {'shuffle': False}")."""
@@ -84,6 +99,7 @@ def test_custom_steps_tf_data_and_evaluate_over_2_processes_equal_one_device_and
         assert first[case]["evaluated"] == second[case]["evaluated"], case
     # a batch axis of 1 over two processes: both feed every row (each fed half once, 0.22 off one device)
     assert first["model_parallel_guide"]["kernel_spec"] == "P(None, 'model')"
+    _check_users_distributions_and_writes(first)
     for result in (first, second):  # every process stops with the same clear error
         error = result["per_process_shuffle"]["error"]
         assert error.startswith("fit: KerasdistError") and "read different batches" in error and "seed=S" in error, error

@@ -13,6 +13,7 @@ already have a layout (a model built under the user's own distribution) keep it.
 On TensorFlow, "data_parallel" is ``tf.distribute.MirroredStrategy`` over the local devices.
 """
 
+import copy
 import dataclasses
 import re
 from typing import Optional, Sequence
@@ -155,9 +156,32 @@ def kerasdist_create_strategy(spec):
         device_mesh = keras.distribution.DeviceMesh(shape=tuple(mesh.values()), axis_names=list(mesh), devices=devices)
         distribution = keras.distribution.ModelParallel(layout_map=output_layout_map(spec.layout, device_mesh),
                                                         batch_dim_name=batch_axis)
-    distribution.auto_shard_dataset = False  # every process reads the global batch; each device takes its rows
+    return _feeding_global_batches(distribution)
+
+
+def _feeding_global_batches(distribution):
+    """``distribution``, fed as kerasdist feeds it: every process reads the global batch and each device is
+    given its rows (an uneven last batch whole, on every device)."""
+    distribution.auto_shard_dataset = False
     place_batches_by(distribution, processes.place_global_batch)
     return distribution
+
+
+#: ``id(a user's distribution) -> (it, its copy fed global batches)``: the user's object is left as it is.
+_USERS_DISTRIBUTIONS = {}
+
+
+def _run_scope(distribution, spec):
+    """The distribution ``fit``/``evaluate``/``predict`` run under: kerasdist's own, or for a user's object
+    passed as ``distribute=`` a copy of it (same mesh, layouts and batch axis) fed as kerasdist's are, so that
+    it trains as the spec it stands for, uneven last batches and several processes included."""
+    if isinstance(spec, (DataParallel, Hybrid)):
+        return distribution
+    entry = _USERS_DISTRIBUTIONS.get(id(distribution))
+    if entry is None or entry[0] is not distribution:
+        entry = _USERS_DISTRIBUTIONS[id(distribution)] = (distribution,
+                                                          _feeding_global_batches(copy.copy(distribution)))
+    return entry[1]
 
 
 def _jax_devices(spec):
@@ -245,7 +269,7 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
     if own_spec(spec, strategy, model) is None:
         return None
     _replicate(list(model.variables) + _optimizer_variables(model) + list(model.metrics_variables), strategy)
-    with strategy.scope():
+    with _run_scope(strategy, spec).scope(), processes.chief_writes(method, call_kwargs):
         return call(**call_kwargs)
 
 

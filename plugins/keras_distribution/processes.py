@@ -2,13 +2,18 @@
 every process reading the same global batches (each device is given its rows), and writes from process 0
 only."""
 
+import contextlib
+import os
+
 import numpy as np
 
 from kerasdist import ClusterConfigError, KerasdistError
 
-#: Callbacks that write files: process 0 keeps them, the others drop them (every process holds the same
-#: replicated state, and a sharded one is saved by process 0 through Keras's own gathering).
-WRITING_CALLBACKS = ("ModelCheckpoint", "TensorBoard", "CSVLogger", "BackupAndRestore")
+#: Callbacks that write files, with the attribute naming where: every process runs them (a save inside fit
+#: enters cross-process collectives: Keras's reference Optimizer's variables are placed on the mesh with
+#: ``jax.device_put``, a sharded variable is gathered), process 0 into the user's path, the others into their
+#: private scratch folder, removed at exit (TensorFlow's MultiWorkerMirroredStrategy convention).
+WRITING_CALLBACKS = {"ModelCheckpoint": "filepath", "TensorBoard": "log_dir", "CSVLogger": "filename"}
 
 
 def is_process_cluster(cluster):
@@ -101,9 +106,48 @@ def share_random_state():
 
 def quiet_other_processes(method, call_kwargs):
     _, index = process_count()
-    if index == 0:
+    if index != 0:
+        call_kwargs["verbose"] = 0
+
+
+@contextlib.contextmanager
+def chief_writes(method, call_kwargs):
+    """During ``fit``, the writing callbacks of a process other than 0 write into its scratch folder (their paths
+    restored after), and a BackupAndRestore there restores from process 0's folder but writes its own. A ``fit``
+    returns in every process once process 0's files are written (a next ``fit`` may read its backup)."""
+    count, index = process_count()
+    if count == 1 or method != "fit":
+        yield
         return
-    call_kwargs["verbose"] = 0
-    if method == "fit":
-        call_kwargs["callbacks"][:] = [cb for cb in call_kwargs["callbacks"]
-                                       if type(cb).__name__ not in WRITING_CALLBACKS]
+    if index == 0:
+        yield
+        _wait_for_every_process()
+        return
+    import keras
+
+    from kerasdist.plugin_tools import make_chief_aware_backup, private_backups
+
+    scratch = private_backups.scratch_dir()
+    callbacks, redirected = call_kwargs["callbacks"], []
+    for position, callback in enumerate(callbacks):
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            callbacks[position] = make_chief_aware_backup(
+                callback.backup_dir, os.path.join(scratch, "backup"), save_freq=callback.save_freq,
+                double_checkpoint=callback.double_checkpoint, delete_checkpoint=callback.delete_checkpoint)
+        attribute = WRITING_CALLBACKS.get(type(callback).__name__)
+        if attribute is not None:
+            path = getattr(callback, attribute)
+            redirected.append((callback, attribute, path))
+            setattr(callback, attribute, os.path.join(scratch, os.path.basename(os.path.normpath(str(path)))))
+    try:
+        yield
+    finally:
+        for callback, attribute, path in redirected:
+            setattr(callback, attribute, path)
+    _wait_for_every_process()
+
+
+def _wait_for_every_process():
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("kerasdist: fit's files written")

@@ -167,6 +167,37 @@ def frozen_base_model():
     return keras.Model(inputs, keras.layers.Dense(1, activation="sigmoid")(hidden))
 
 
+def named_model():
+    """Layers with their own names (a LayoutMap's rules match the variable paths)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="tanh", name="hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(1, name="out")(hidden))
+
+
+def gemma_like_model_parallel():
+    """The user's own ModelParallel as the Gemma distributed-tuning guide builds it (GemmaBackbone.get_layout_map):
+    a LayoutMap of regex keys sharding weights over the model and the batch axes, the batch on "batch"."""
+    devices = keras.distribution.list_devices()
+    mesh = keras.distribution.DeviceMesh((2, len(devices) // 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[r".*hidden.*kernel"] = ("model", "batch")
+    layout_map[r".*hidden.*bias"] = ("batch",)
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def weather_callbacks(folder, resumed=False):
+    """keras.io's weather example's callbacks and the other built-in writers and state changers."""
+    return [keras.callbacks.EarlyStopping(monitor="val_loss", patience=5, restore_best_weights=True),
+            keras.callbacks.ModelCheckpoint(os.path.join(folder, "best-{epoch}.weights.h5"), monitor="val_loss",
+                                            save_best_only=True, save_weights_only=True),
+            keras.callbacks.ModelCheckpoint(os.path.join(folder, "model.keras")),
+            keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10.0),
+            keras.callbacks.BackupAndRestore(os.path.join(folder, "backup"), delete_checkpoint=False),
+            keras.callbacks.TensorBoard(os.path.join(folder, "logs")),
+            keras.callbacks.CSVLogger(os.path.join(folder, "history.csv"), append=resumed)]
+
+
 CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: not evaluated)
     # the first two guide models cannot evaluate (Keras's test_step calls their compute_loss_and_updates)
     "first_guide": dict(model=lambda: functional(FirstGuideModel), compile=dict(loss="mse", metrics=["mae"]),
@@ -199,6 +230,17 @@ CASES = {  # name: model, compile, fit and evaluate arguments (evaluate None: no
     "unseeded_shuffled_arrays": dict(model=plain_model, compile=dict(loss="mse"), fit=lambda: {**arrays(), "shuffle": True},
                                      evaluate=None, before_fit=lambda: np.random.seed(100 + jax.process_index()),
                                      several_processes_only=True),
+    # the user's own keras.distribution objects as distribute=: an uneven last batch as the equivalent spec
+    "own_data_parallel_object": dict(model=named_model, compile=dict(loss="mse"), fit=arrays,
+                                     evaluate=lambda: arrays(rows=224),
+                                     distribute=lambda: keras.distribution.DataParallel()),
+    "own_model_parallel_object": dict(model=named_model, compile=dict(loss="mse"), fit=arrays,
+                                      evaluate=lambda: arrays(rows=224), distribute=gemma_like_model_parallel),
+    # the weather example's tf.data and writing callbacks (process 0 writes, every process runs them), then a
+    # third epoch resumed from the BackupAndRestore backup (every process reads process 0's)
+    "weather_callbacks": dict(model=named_model, compile=dict(loss="mse", metrics=["mae"]),
+                              fit=lambda: {"x": dataset(), "validation_data": dataset(batch_size=64)},
+                              callbacks=weather_callbacks, resume=True, evaluate=lambda: arrays(rows=224)),
     # each process its own shuffle: over several processes one clear error, never process 0's batches alone
     "per_process_shuffle": dict(model=plain_model, compile=dict(loss="mse"), several_processes_only=True,
                                 fit=lambda: {"x": dataset(seed=jax.process_index())}, evaluate=None),
@@ -221,8 +263,15 @@ def trained(case, distribute):
     model.compile(optimizer=keras.optimizers.SGD(0.1), distribute=distribute, **fresh(spec["compile"]))
     spec.get("before_fit", lambda: None)()
     history, evaluated, errors = {}, {}, []
+    folder = writes_folder(case, distribute)
+    callbacks = spec.get("callbacks", lambda folder, resumed=False: [])
     try:
-        history = model.fit(**{"shuffle": False, **spec["fit"]()}, epochs=2, verbose=0).history
+        history = model.fit(**{"shuffle": False, **spec["fit"]()}, epochs=2, verbose=0,
+                            callbacks=callbacks(folder)).history
+        if spec.get("resume"):
+            again = model.fit(**{"shuffle": False, **spec["fit"]()}, epochs=3, verbose=0,
+                              callbacks=callbacks(folder, resumed=True)).history
+            history = {k: history[k] + again[k] for k in history}
         if spec.get("unfreeze"):
             base = model.get_layer(spec["unfreeze"])
             before = [np.asarray(w) for w in base.get_weights()]
@@ -244,6 +293,22 @@ def trained(case, distribute):
         k: float(v) for k, v in evaluated.items()}
 
 
+def writes_folder(case, distribute):
+    """Where a case's callbacks write: one folder for the distributed run (process 0 alone writes there), one per
+    process for the plain run."""
+    run = "plain" + str(jax.process_index()) if distribute is None else "distributed"
+    return f"{sys.argv[1]}.{case}.{run}"
+
+
+def written(folder):
+    """The files under ``folder``, TensorBoard's event files by their folder only (their names hold the host)."""
+    found = []
+    for parent, _, files in os.walk(folder):
+        where = os.path.relpath(parent, folder)
+        found += [where + "/events" if name.startswith("events.") else os.path.join(where, name) for name in files]
+    return sorted(set(found))
+
+
 def gathered(variable):
     """A variable's whole value (a sharded one spans other processes' devices: every process gathers)."""
     if jax.process_count() == 1:
@@ -257,6 +322,7 @@ results = {"processes": jax.process_count(), "devices": jax.device_count()}
 for case in CASES:
     if CASES[case].get("several_processes_only") and jax.process_count() == 1:
         continue
+    print("CASE", case, flush=True)
     try:
         model, history, evaluated = trained(case, CASES[case].get("distribute", lambda: "data_parallel")())
     except CaseFailed as exc:
@@ -270,6 +336,9 @@ for case in CASES:
         "evaluated": evaluated, "plain_evaluated": plain_evaluated,
         "kernel_spec": str(model.weights[0].value.sharding.spec),  # the first Dense kernel
     }
+    if CASES[case].get("callbacks"):
+        results[case]["written"] = written(writes_folder(case, "distributed"))
+        results[case]["plain_written"] = written(writes_folder(case, None))
     if CASES[case].get("predict") and jax.process_count() == 1:  # 239 rows in batches of 32: uneven last batch
         results[case]["predict_diff"] = float(np.max(np.abs(model.predict(X, batch_size=BATCH, verbose=0)
                                                             - plain.predict(X, batch_size=BATCH, verbose=0))))
