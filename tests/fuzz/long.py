@@ -4,8 +4,10 @@
         .venv/bin/python tests/fuzz/long.py
 
 Each group (groups.GROUPS) takes the next FUZZ_CHUNK seeds in turn, in one process start, the groups round-robin,
-all groups on the same seeds. FUZZ_RECORDS=records.jsonl writes the table of an earlier run only. Every record goes to FUZZ_OUT/records.jsonl; each defect prints its seed and figure
-and writes a standalone script to FUZZ_OUT/defects/. The table goes to docs/fuzzing-table.md (FUZZ_TABLE=path).
+all groups on the same seeds; a job whose group timed out in it runs once more, alone. Every record goes to
+FUZZ_OUT/records.jsonl; each defect prints its seed and figure and writes a standalone script to FUZZ_OUT/defects/.
+FUZZ_RECORDS=records.jsonl writes the table of an earlier run only. The table goes to docs/fuzzing-table.md
+(FUZZ_TABLE=path).
 """
 
 import collections
@@ -48,19 +50,27 @@ def fuzz(minutes, first_seed, groups, chunk, out_dir):
     deadline = time.monotonic() + 60 * minutes
     queues = {group: [] for group in groups}
     next_seed = {group: first_seed for group in groups}
-    records = []
+    records, retried = [], set()
     while time.monotonic() < deadline:
         for group in groups:
             if time.monotonic() >= deadline:
                 break
-            seeds = queues[group][:chunk]
-            while len(seeds) < chunk:
+            alone = bool(queues[group]) and (group, queues[group][0]) in retried
+            take = 1 if alone else chunk  # a job retried after a timeout runs alone, with a whole start's time
+            seeds = queues[group][:take]
+            while len(seeds) < take:
                 seeds.append(next_seed[group])
                 next_seed[group] += 1
-            queues[group] = queues[group][chunk:]
+            queues[group] = queues[group][take:]
             results, seconds = run_group(group, seeds, out_dir)
             print(f"[fuzz] {group} seeds {seeds[0]}..{seeds[-1]}: {seconds:.0f} s", flush=True)
             for (seed, word), record in sorted(results.items()):
+                timed_out = "(timed out)" in (record.get("error") or "")
+                if timed_out and (group, seed) not in retried:  # the group's limit, maybe the machine's load:
+                    retried.add((group, seed))                  # once more, alone
+                    queues[group].insert(0, seed)
+                    print(f"[fuzz] {group} seed {seed}: its group timed out in it; run again", flush=True)
+                    continue
                 if record["outcome"] == "not run":
                     if seed not in queues[group]:
                         queues[group].append(seed)
