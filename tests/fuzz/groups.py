@@ -73,8 +73,9 @@ def merged(records):
 
 
 def group_timeout(seeds):
-    """Seconds a group's start may take: 90 s to start, 150 s a job (a loaded machine), at most 600."""
-    return min(600, 90 + 150 * len(seeds))
+    """Seconds a group's start may take: 150 s to start, 250 s a job, at most 600 (load 17 on 2 cores: one JAX job
+    over 2 processes took 215 s, and 240 s ran out)."""
+    return min(600, 150 + 250 * len(seeds))
 
 
 def run_group(group, seeds, out_dir, timeout=None):
