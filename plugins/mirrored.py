@@ -83,7 +83,8 @@ def kerasdist_create_strategy(spec):
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Uneven global batches and gradient accumulation train as on one device."""
-    if isinstance(spec, Mirrored):
+    spec = _as_mirrored(spec)
+    if spec is not None:
         from kerasdist.plugin_tools import custom_steps_train_as_one_device, replicas_train_as_one_device
 
         _no_xla_on_cpu_replicas(compile_kwargs, strategy)
@@ -91,6 +92,19 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
         custom_steps_train_as_one_device(model, compile_kwargs, "mirrored")
         _predict_on_empty_replicas(model)
         _evaluate_on_empty_replicas(model)
+
+
+def _as_mirrored(spec):
+    """``spec``, or for a user's own ``tf.distribute.MirroredStrategy`` passed as ``distribute=`` the word over its
+    devices: it trains as ``"mirrored"`` does (before, an uneven last batch trained 3.6e-3 off one device)."""
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    if isinstance(spec, Mirrored):
+        return spec
+    if tf is not None and type(getattr(spec, "strategy", None)) is tf.distribute.MirroredStrategy:
+        return Mirrored()
+    return None
 
 
 def _no_xla_on_cpu_replicas(compile_kwargs, strategy):
@@ -114,7 +128,7 @@ def _no_xla_on_cpu_replicas(compile_kwargs, strategy):
 @kerasdist.hookimpl
 def kerasdist_adjust_call(method, call_kwargs, spec):
     """A keras.utils.PyDataset is read in one process's batch order (or refused where it cannot be)."""
-    if isinstance(spec, Mirrored):
+    if _as_mirrored(spec) is not None:
         from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
 
         read_py_datasets_in_one_processs_order(method, call_kwargs, "mirrored")
