@@ -9,6 +9,8 @@ TensorRT exporters use nothing else, so a third-party exporter can do what they 
 - Models that learned their own int8 ranges (quantization-aware training, e.g. ``kerasdist.quantize()``):
   :func:`quantization_aware_layers`, :func:`quantization_recipe`, :func:`check_ranges_learned`, and
   :func:`tracing` / :func:`trace_mode`, the switch under which such layers trace for a converter.
+- Other backends: :func:`convert_in_tensorflow` runs a TensorFlow-backend converter (tf2onnx, LiteRT's) on
+  a JAX or torch model, saved and loaded in a TensorFlow child process; verify the file in the caller.
 
 The quantization protocol: a layer that simulates int8 quantization in training carries
 ``kerasdist_quantization_recipe`` (a string naming the runtime whose scheme it learned, e.g. "litert" or
@@ -29,7 +31,7 @@ from .errors import KerasdistError, PluginUnavailableError
 
 __all__ = ["ExportResult", "export", "require", "check_exportable", "need_representative_data", "single_array",
            "compare_outputs", "calibration_batches", "quantization_aware_layers", "quantization_recipe",
-           "check_ranges_learned", "trace_mode", "tracing", "TRACE_MODES"]
+           "check_ranges_learned", "trace_mode", "tracing", "TRACE_MODES", "convert_in_tensorflow"]
 
 
 @dataclasses.dataclass
@@ -255,3 +257,72 @@ def check_ranges_learned(model, format):
         raise KerasdistError(
             f"export(format={format!r}): the quantization ranges of layers {untrained} were never learned (the model "
             "was compiled with quantize() but not trained); run fit first, at least one step.")
+
+
+# -- converters of the TensorFlow backend, for models of the other backends ---------------------
+
+#: The child process that converts: it loads the saved model with the TensorFlow backend and exports it.
+_CHILD = """
+import json, sys
+import numpy as np
+import kerasdist, keras
+folder = sys.argv[1]
+with open(folder + "/job.json") as f:
+    job = json.load(f)
+options = job["options"]
+with np.load(folder + "/arrays.npz") as arrays:
+    options.update({name: arrays[name] for name in arrays.files})
+model = keras.saving.load_model(folder + "/model.keras", compile=False)
+kerasdist.export(model, job["filepath"], format=job["format"], **options)
+"""
+_CLUSTER_VARIABLES = ("TF_CONFIG", "KERASDIST_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_", "XLA_FLAGS")
+
+
+def convert_in_tensorflow(model, filepath, format, timeout=600, **options):
+    """Write ``filepath`` in ``format`` with the TensorFlow backend's converter (tf2onnx, LiteRT's), for a
+    model of the JAX or torch backend: the model is saved (``.keras``) and loaded in a child process with
+    ``KERAS_BACKEND=tensorflow``, which runs ``kerasdist.export`` on it. Options are JSON values or numpy
+    arrays; nothing is verified there (the caller compares the file with ``model`` itself)."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    import numpy as np
+
+    arrays = {k: np.asarray(v) for k, v in options.items() if hasattr(v, "shape") or isinstance(v, (list, tuple))}
+    plain = {k: v for k, v in options.items() if k not in arrays}
+    for name, value in plain.items():
+        if callable(value) or hasattr(value, "element_spec"):
+            raise KerasdistError(
+                f"export(format={format!r}, {name}=...): on the {_backend()} backend the file is converted by "
+                f"TensorFlow in another process, which takes arrays only; give {name}= as a numpy array.")
+    with tempfile.TemporaryDirectory(prefix="kerasdist-export-") as folder:
+        try:
+            model.save(os.path.join(folder, "model.keras"))
+        except Exception as exc:
+            raise KerasdistError(
+                f"export(format={format!r}): on the {_backend()} backend the file is converted by TensorFlow from "
+                f"the saved model, but model.save failed ({type(exc).__name__}: {exc}); make every custom layer "
+                "serializable (keras.saving.register_keras_serializable, get_config).") from exc
+        with open(os.path.join(folder, "job.json"), "w") as f:
+            json.dump({"filepath": os.path.abspath(os.fspath(filepath)), "format": format, "options": plain}, f)
+        np.savez(os.path.join(folder, "arrays.npz"), **arrays)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_VARIABLES)}
+        env.update(KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+        done = subprocess.run([sys.executable, "-c", _CHILD, folder], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    if done.returncode != 0:
+        last = [line for line in done.stderr.strip().splitlines() if line.strip()][-12:]
+        raise KerasdistError(
+            f"export(format={format!r}): TensorFlow's converter, run on the saved {_backend()} model in another "
+            f"process, failed (exit {done.returncode}):\n  " + "\n  ".join(last) + "\nA custom layer must be "
+            "importable and registered (keras.saving.register_keras_serializable) for TensorFlow to load it; "
+            "or train with KERAS_BACKEND=tensorflow.")
+    return os.fspath(filepath)
+
+
+def _backend():
+    from .backend import keras_backend
+
+    return keras_backend()

@@ -12,7 +12,9 @@ format             what the converter does
 =================  ==========================================================================
 
 Conversion is TensorFlow's ``TFLiteConverter.from_keras_model`` (it handles Keras 3 models, also
-ones trained under a strategy). ``verify_with=inputs`` then runs the written file in the LiteRT
+ones trained under a strategy). A JAX or torch model is saved and converted so in a TensorFlow process
+(Keras's own torch path needs the litert-torch package, not installed with kerasdist; JAX has none);
+there ``representative_data=`` must be arrays. ``verify_with=inputs`` then runs the written file in the LiteRT
 interpreter (``ai_edge_litert``, the ``litert`` extra) and compares it with the Keras model: the
 result carries ``max_abs_diff`` and ``argmax_agreement``.
 
@@ -28,8 +30,9 @@ import os
 
 import kerasdist
 from kerasdist.exporting import (ExportResult, check_exportable, check_ranges_learned, compare_outputs,
-                                 calibration_batches, need_representative_data, quantization_aware_layers,
-                                 quantization_recipe, require, tracing)
+                                 calibration_batches, convert_in_tensorflow, need_representative_data,
+                                 quantization_aware_layers, quantization_recipe, require, tracing)
+from kerasdist.plugin_tools import keras_backend
 
 LITERT_FORMATS = {
     "litert": "float32",
@@ -105,8 +108,19 @@ def export_litert(model, filepath, *, mode, representative_data=None, calibratio
         require("ai_edge_litert.interpreter", "litert", f"export(format={format!r}, verify_with=...)")
     if not per_channel and mode != "int8":
         raise kerasdist.KerasdistError(f"export(format={format!r}): per_channel= is an option of format='litert-int8' only.")
+    if keras_backend() != "tensorflow":
+        options = dict(representative_data=representative_data, calibration_steps=calibration_steps,
+                       int8_io=int8_io, per_channel=per_channel)
+        return _convert_in_tensorflow(model, filepath, format, verify_with, options)
     converter = litert_converter(model, mode, representative_data, calibration_steps, int8_io, per_channel)
     return _write(model, converter, filepath, format, verify_with)
+
+
+def _convert_in_tensorflow(model, filepath, format, verify_with, options):
+    """A JAX or torch model: TensorFlow's converter from the saved model (Keras's own torch path needs the
+    litert-torch package), then the file verified against this model."""
+    convert_in_tensorflow(model, filepath, format, **{k: v for k, v in options.items() if v is not None})
+    return _verify(model, filepath, format, verify_with)
 
 
 def _write(model, converter, filepath, format, verify_with):
@@ -114,8 +128,12 @@ def _write(model, converter, filepath, format, verify_with):
         flatbuffer = converter.convert()
     with open(filepath, "wb") as f:
         f.write(flatbuffer)
+    return _verify(model, filepath, format, verify_with)
+
+
+def _verify(model, filepath, format, verify_with):
     if verify_with is None:
-        return ExportResult(os.fspath(filepath), format, len(flatbuffer))
+        return ExportResult(os.fspath(filepath), format, os.path.getsize(filepath))
     return compare_outputs(model, verify_with, functools.partial(run_litert, os.fspath(filepath)),
                            os.fspath(filepath), format)
 
@@ -138,6 +156,8 @@ def _export_quantization_aware(model, filepath, format, mode, representative_dat
             raise kerasdist.KerasdistError(
                 f"export(format={format!r}): this model was trained with the {recipe!r} recipe "
                 "(symmetric Q/DQ for TensorRT); export it with format='onnx' or 'tensorrt', or train with quantize().")
+    if keras_backend() != "tensorflow":
+        return _convert_in_tensorflow(model, filepath, format, verify_with, {"int8_io": int8_io})
     with tracing("litert" if mode == "int8" else "float"):
         return _write(model, litert_converter(model, mode, int8_io=int8_io), filepath, format, verify_with)
 
@@ -152,4 +172,4 @@ def kerasdist_register_exporters(register):
     }
     for format, mode in LITERT_FORMATS.items():
         register(format, functools.partial(export_litert, mode=mode), description=descriptions[mode],
-                 extra="litert")
+                 extra="litert", backends=("tensorflow", "jax", "torch"))

@@ -1,6 +1,7 @@
 """ONNX export: kerasdist.export(model, path, format="onnx" | "onnx-int8").
 
-- "onnx": ``model.export(format="onnx")`` (tf2onnx + onnx), checked with ``onnx.checker``;
+- "onnx": ``model.export(format="onnx")`` (tf2onnx on TensorFlow; torch.onnx on torch; on JAX, whose
+  Keras exporter needs jax2onnx, tf2onnx on the saved model in a TensorFlow process), checked with ``onnx.checker``;
   ``verify_with=inputs`` runs it in onnxruntime (CPU) and compares it with Keras.
 - "onnx-int8": the float ONNX model quantized to QDQ form (QuantizeLinear/DequantizeLinear, symmetric,
   per-channel weights) by ``onnxruntime.quantization`` from ``representative_data``, in the
@@ -14,30 +15,58 @@
 The "tensorrt" format (:mod:`.tensorrt`) builds its engines from these two formats, through ``kerasdist.export``.
 """
 
+import contextlib
 import functools
+import io
 import os
 import platform
 import tempfile
+import warnings
 
 import kerasdist
 from kerasdist.exporting import (ExportResult, calibration_batches, check_exportable, check_ranges_learned,
-                                 compare_outputs, need_representative_data, quantization_aware_layers, require,
-                                 tracing)
-from kerasdist.plugin_tools import check_number
+                                 compare_outputs, convert_in_tensorflow, need_representative_data,
+                                 quantization_aware_layers, require, tracing)
+from kerasdist.plugin_tools import check_number, keras_backend
 
 
 def write_onnx(model, filepath, opset_version=None):
-    """``model.export(format="onnx")``, then ``onnx.checker`` on the file."""
-    require("tf2onnx", "onnx", "export(format='onnx')")
+    """``model.export(format="onnx")`` (TensorFlow: tf2onnx; torch: torch.onnx), then ``onnx.checker`` on the
+    file. A JAX model, and a quantization-aware one on torch, is converted by tf2onnx from the saved model
+    (:func:`kerasdist.exporting.convert_in_tensorflow`): Keras's JAX exporter needs jax2onnx, and its
+    Q/DQ pairs are written from TensorFlow's fake-quantization ops."""
     onnx = require("onnx", "onnx", "export(format='onnx')")
-    if quantization_aware_layers(model):  # Q/DQ pairs from the learned ranges (explicit quantization)
+    backend = keras_backend()
+    _called(model)
+    if backend == "torch" and not quantization_aware_layers(model):
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TorchScript tracer's warnings about Keras's shape arithmetic
+            model.export(os.fspath(filepath), format="onnx", opset_version=opset_version, verbose=False)
+    elif backend != "tensorflow":
+        require("tf2onnx", "onnx", f"export(format='onnx') on the {backend} backend")
+        check_ranges_learned(model, "onnx")
+        options = {} if opset_version is None else {"opset_version": opset_version}
+        convert_in_tensorflow(model, filepath, "onnx", **options)
+    elif quantization_aware_layers(model):  # Q/DQ pairs from the learned ranges (explicit quantization)
+        require("tf2onnx", "onnx", "export(format='onnx')")
         check_ranges_learned(model, "onnx")
         with tracing("onnx"):
             model.export(os.fspath(filepath), format="onnx", opset_version=max(opset_version or 13, 13), verbose=False)
     else:
+        require("tf2onnx", "onnx", "export(format='onnx')")
         model.export(os.fspath(filepath), format="onnx", opset_version=opset_version, verbose=False)
     onnx.checker.check_model(os.fspath(filepath))
     return os.fspath(filepath)
+
+
+def _called(model):
+    """Keras's exporter wants a model that was called once (a loaded one was not): call it on zeros."""
+    import numpy as np
+
+    shapes = [tuple(1 if d is None else d for d in tensor.shape) for tensor in getattr(model, "inputs", None) or []]
+    if shapes:
+        model([np.zeros(s, "float32") for s in shapes] if len(shapes) > 1 else np.zeros(shapes[0], "float32"),
+              training=False)
 
 
 def run_onnxruntime(path, x):
@@ -73,6 +102,8 @@ class _CalibrationReader:
         batch = next(self.batches, None)
         return None if batch is None else dict(zip(self.input_names, batch))
 
+
+BACKENDS = ("tensorflow", "jax", "torch")
 
 # Symmetric QDQ schemes: (activation type, weight type, reduce_range i.e. 7-bit weights).
 INT8_SCHEMES = {
@@ -167,8 +198,10 @@ def export_onnx_int8(model, filepath, *, representative_data=None, calibration_s
 
 @kerasdist.hookimpl
 def kerasdist_register_exporters(register):
-    register("onnx", export_onnx, requires=("tf2onnx", "onnx"), extra="onnx",
-             description="ONNX via tf2onnx (verify_with= runs onnxruntime).")
+    register("onnx", export_onnx, requires=("tf2onnx", "onnx"), extra="onnx", backends=BACKENDS,
+             description="ONNX: tf2onnx (TensorFlow; JAX through a TensorFlow process), torch.onnx (torch); "
+                         "verify_with= runs onnxruntime.")
     register("onnx-int8", export_onnx_int8, requires=("tf2onnx", "onnx", "onnxruntime"), extra="onnx",
+             backends=BACKENDS,
              description="QDQ int8 ONNX via onnxruntime.quantization (needs representative_data=); "
                          "int8_scheme='s8s8' is TensorRT's INT8 input.")

@@ -120,5 +120,6 @@ def _onnx(model, path, format, **options):
 @kerasdist.hookimpl
 def kerasdist_register_exporters(register):
     register("tensorrt", export_tensorrt, requires=("tf2onnx", "onnx"), extra="tensorrt",
+             backends=("tensorflow", "jax", "torch"),
              check=tensorrt_absent_reason,
              description="TensorRT engine built from ONNX (fp32/fp16/int8); needs an NVIDIA GPU.")

@@ -16,9 +16,11 @@ tf.distribute strategy; and kerasdist.tensorrt(): TensorRT's QAT recipe, optiona
 - TFMOT is not imported: it rejects Keras 3 models and switches the process to Keras 2.
 """
 
+import contextlib
 import warnings
 
 import kerasdist
+from kerasdist.plugin_tools import keras_backend
 
 from . import graph, quantizers
 from .layers import make_quantization_aware, quantization_aware_layers, serializable_classes
@@ -42,11 +44,13 @@ def quantize_model(model, spec, strategy=None):
                 f"{where}: model {model.name!r} is already quantization-aware with the {sorted(recipes)} recipe; "
                 "build the float model again to change the recipe.")
         return {layer: layer.quantization_plan for layer in existing}
-    _check_replicas_share_steps(strategy or model.distribute_strategy, where)
+    tensorflow = keras_backend() == "tensorflow"
+    if tensorflow:
+        _check_replicas_share_steps(strategy or model.distribute_strategy, where)
     chosen = graph.choose(model, spec.layers)
     plans = graph.plan(model, chosen, spec.recipe, getattr(spec, "weights", "per_channel") == "per_channel",
                        spec.ema_decay)
-    scope = (strategy or model.distribute_strategy).scope()
+    scope = (strategy or model.distribute_strategy).scope() if tensorflow else contextlib.nullcontext()
     with scope:
         for layer, plan in plans.items():
             with state_unlocked(layer):
@@ -91,12 +95,14 @@ def ranges(model):
 
 # -- hooks --------------------------------------------------------------------------------
 
+BACKENDS = ("tensorflow", "jax", "torch")
+
 @kerasdist.hookimpl
 def kerasdist_register_optimizations(register):
-    register("quantize", Quantize, aliases=("qat",), backends=("tensorflow",),
+    register("quantize", Quantize, aliases=("qat",), backends=BACKENDS,
              description="Int8 quantization-aware training (per-channel weights, learned activation ranges); "
                          "export to litert-int8 / ONNX Q/DQ without representative data.")
-    register("tensorrt", TensorRT, aliases=("tensorrt-qat",), backends=("tensorflow",),
+    register("tensorrt", TensorRT, aliases=("tensorrt-qat",), backends=BACKENDS,
              description="TensorRT's int8 QAT recipe (symmetric Q/DQ on layer inputs, per-channel weights), "
                          "optionally 2:4 structured sparsity.")
 

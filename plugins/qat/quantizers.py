@@ -66,12 +66,22 @@ def fake_quant_weights(variable, per_channel, depthwise=False, bits=8):
 # -- activations: per-tensor, asymmetric, moving-average ranges ------------------------------
 
 def _across_replicas(value, reduce):
-    """``reduce`` of ``value`` over every replica in sync (in replica context), or over the processes training as
-    one without a strategy (multiworker's strategy-free step), else ``value``."""
+    """``reduce`` ("min" or "max") of the scalar ``value`` over everything that trains as one model: the
+    replicas in sync (TensorFlow, in replica context) or the processes training without a strategy
+    (multiworker's strategy-free step); torch's process group (data_parallel, fsdp). On JAX a batch is one
+    global array (keras.distribution), so its min and max are already the global batch's."""
+    from kerasdist.plugin_tools import keras_backend
+
+    backend = keras_backend()
+    if backend == "torch":
+        return _across_torch_processes(value, reduce)
+    if backend != "tensorflow":
+        return value
     import tensorflow as tf
 
     from kerasdist.plugin_tools import gather_across_processes, process_group_size
 
+    reduce = {"min": tf.reduce_min, "max": tf.reduce_max}[reduce]
     if not tf.distribute.has_strategy():
         return reduce(gather_across_processes(value)) if process_group_size() > 1 else value
     if tf.distribute.in_cross_replica_context():
@@ -82,18 +92,33 @@ def _across_replicas(value, reduce):
     return reduce(context.all_gather(tf.reshape(value, [1]), axis=0))
 
 
+def _across_torch_processes(value, reduce):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    value = value.detach().clone()  # the ranges take no gradient on torch (see batch_range)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN if reduce == "min" else dist.ReduceOp.MAX)
+    return value
+
+
 def batch_range(x, symmetric=False):
     """The range one training batch shows, over the global batch (all replicas): TFMOT's
-    MovingAvgQuantize: [min(min x, 0), max(max x, 0)], or [-m, m] with m = max |x| when symmetric."""
-    import tensorflow as tf
+    MovingAvgQuantize: [min(min x, 0), max(max x, 0)], or [-m, m] with m = max |x| when symmetric.
+    On JAX and torch the range takes no gradient (as TFMOT, whose quantizer reads the updated variables):
+    one process and many then train alike."""
     from keras import ops
 
+    from kerasdist.plugin_tools import keras_backend
+
     x = ops.cast(x, "float32")
+    if keras_backend() != "tensorflow":
+        x = ops.stop_gradient(x)
     if symmetric:
-        high = _across_replicas(ops.max(ops.abs(x)), tf.reduce_max)
+        high = _across_replicas(ops.max(ops.abs(x)), "max")
         return -high, high
-    low = _across_replicas(ops.min(x), tf.reduce_min)
-    high = _across_replicas(ops.max(x), tf.reduce_max)
+    low = _across_replicas(ops.min(x), "min")
+    high = _across_replicas(ops.max(x), "max")
     return ops.minimum(low, 0.0), ops.maximum(high, 0.0)
 
 
@@ -136,10 +161,26 @@ def _fake_quant(x, low, high, bits, symmetric):
 
     value = ops.cast(x, "float32")
     if symmetric:
-        import tensorflow as tf
-
-        out = tf.quantization.quantize_and_dequantize_v2(value, low, high, signed_input=True, num_bits=bits,
-                                                         range_given=True, narrow_range=False)
+        out = _symmetric_quantize_dequantize(value, high, bits)
     else:
         out = keras.quantizers.fake_quant_with_min_max_vars(value, low, high, num_bits=bits)
     return ops.cast(out, x.dtype)
+
+
+def _symmetric_quantize_dequantize(x, high, bits):
+    """QuantizeAndDequantizeV4 on [-2^(b-1), 2^(b-1) - 1] * high / (2^(b-1) - 1), with its straight-through
+    gradient (1 inside the range, 0 outside): TensorFlow's op there, Keras ops on JAX and torch."""
+    from keras import ops
+
+    from kerasdist.plugin_tools import keras_backend
+
+    if keras_backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.quantization.quantize_and_dequantize_v2(x, -high, high, signed_input=True, num_bits=bits,
+                                                         range_given=True, narrow_range=False)
+    levels = 2.0 ** (bits - 1)
+    scale = ops.maximum(high, 1e-12) / (levels - 1.0)
+    clipped = ops.clip(x, -levels * scale, (levels - 1.0) * scale)
+    rounded = ops.round(clipped / scale) * scale
+    return clipped + ops.stop_gradient(rounded - clipped)
