@@ -52,7 +52,10 @@ def check_agreement(method, model, call_kwargs, *, rank, size, sum_arrays, word)
             def on_epoch_begin(self, epoch, logs=None):
                 call.check(epoch)
 
-        call_kwargs["callbacks"] = list(call_kwargs.get("callbacks") or []) + [EpochAgreement()]
+        if isinstance(call_kwargs.get("callbacks"), list):  # kerasdist's own copy of the user's list
+            call_kwargs["callbacks"].append(EpochAgreement())
+        else:
+            call_kwargs["callbacks"] = list(call_kwargs.get("callbacks") or []) + [EpochAgreement()]
 
 
 class _Call:

@@ -160,6 +160,11 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
     callbacks.only_rank0_writes(call_kwargs, strategy.rank)
     if strategy.world_size < 2 or method == "predict":
         return
+    from kerasdist.plugin_tools import check_agreement
+
+    from .keras_order import _sum_arrays
+    check_agreement(method, model, call_kwargs, rank=strategy.rank, size=strategy.world_size, sum_arrays=_sum_arrays,
+                    word=getattr(spec, "name", NAME))
     if method == "fit":
         callbacks.add_backup(call_kwargs, spec, model, strategy)
     name = f"{NAME} (torch)"
