@@ -123,3 +123,4 @@ def test_the_difference_is_relative_above_one_and_names_where():
     assert worst_difference({"w": [1.0, 200.0]}, {"w": [1.0, 100.0]}) == (1.0, "/w[1]")
     assert worst_difference([0.5], [0.25]) == (0.25, "[0]")
     assert worst_difference({"loss": [1]}, {"loss": [1], "val_loss": [1]})[0] == float("inf")
+    assert worst_difference({"p": "refused: predict ..."}, {"p": {"out": [1.0], "aux": [2.0]}})[0] == 0.0

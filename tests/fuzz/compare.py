@@ -19,6 +19,8 @@ OUTCOMES = ("DEFECT: raw error", "DEFECT: silent", "refused", "invalid", "exact"
 
 def worst_difference(a, b, where=""):
     """(largest |a - b| / max(1, |b|), where) over two nested results (dicts, lists, arrays, numbers)."""
+    if isinstance(a, str):  # the word refused this call with a KerasdistError (predict over JAX processes)
+        return 0.0, f"{where} ({a[:60]})"
     if isinstance(b, dict):
         if sorted(a) != sorted(b):
             return float("inf"), f"{where} keys {sorted(a)} != {sorted(b)}"
@@ -28,8 +30,6 @@ def worst_difference(a, b, where=""):
             return float("inf"), f"{where} length {len(a)} != {len(b)}"
         return max((worst_difference(x, y, f"{where}[{i}]") for i, (x, y) in enumerate(zip(a, b))),
                    default=(0.0, where))
-    if isinstance(a, str):  # the word refused this call with a KerasdistError (predict over JAX processes)
-        return 0.0, f"{where} ({a[:60]})"
     a, b = np.asarray(a, "float64"), np.asarray(b, "float64")
     if a.shape != b.shape:
         return float("inf"), f"{where} shape {a.shape} != {b.shape}"
