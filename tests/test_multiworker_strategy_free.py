@@ -145,19 +145,10 @@ def _assert_same(got, want, where, atol=1e-5):
 def test_rank_zeros_weights_and_optimizer_state_reach_every_rank():
     import keras
 
-    from kerasdist_plugins.multiworker import ring as tcp_ring
     from kerasdist_plugins.multiworker.strategy_free import broadcast_state
+    from tests.test_sparse_gradients import two_rings
 
-    listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
-    addresses = [address for _, address in listeners]
-    rings = [None, None]
-
-    def connect(rank):
-        rings[rank] = tcp_ring.TcpRing.connect(listeners[rank][0], addresses, rank, timeout=30, secret=b"t")
-
-    threads = [threading.Thread(target=connect, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(30) for t in threads]
+    rings = two_rings()
     models = []
     for seed in (1, 2):  # different initial weights and optimizer state on each rank
         keras.utils.set_random_seed(seed)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 
-def _two_rings():
+def two_rings():
+    """A real two-rank TCP ring on 127.0.0.1, connected in threads: each rank's TcpRing."""
     from kerasdist_plugins.multiworker import ring as tcp_ring
 
     listeners = [tcp_ring.listen("127.0.0.1") for _ in range(2)]
@@ -35,7 +36,7 @@ def test_every_rank_gets_every_ranks_slices_in_rank_order(rows):
 
     from kerasdist_plugins.multiworker.sparse_slices import gather_slices, slice_counts
 
-    rings, got = _two_rings(), [None, None]
+    rings, got = two_rings(), [None, None]
     slices = [tf.IndexedSlices(tf.constant(np.arange(n * 2, dtype="float32").reshape(n, 2) + 10 * rank),
                                tf.constant(np.arange(n, dtype="int32") % 2 + rank), tf.constant([4, 2]))
               for rank, n in enumerate(rows)]
