@@ -216,7 +216,7 @@ def _watch(metric):
 
 
 def _optimizers(model):
-    from .plugin_tools import optimizers_held_by
+    from .variables import optimizers_held_by
 
     return optimizers_held_by(model)
 

@@ -42,7 +42,7 @@ from .agreement import check_agreement
 from .same_state import (data_loader_draws_alike, digest_pieces, int_pieces, python_random_same_everywhere,
                          same_everywhere, sum_by_all_gather)
 from .step_checks import note_applied, start_first_step_check, unsummed_after_first_step, unsummed_updates_error
-from .variables import unique_variables
+from .variables import optimizers_held_by, unique_variables
 
 __all__ = [
     # values and the environment
@@ -291,23 +291,6 @@ def _copied_batches(generator):
 
     for batch in generator:
         yield keras.tree.map_structure(lambda leaf: np.array(leaf) if isinstance(leaf, np.ndarray) else leaf, batch)
-
-# -- custom training steps (any backend) ---------------------------------------------------------
-
-def optimizers_held_by(model):
-    """Every optimizer ``model`` trains with: ``model.optimizer`` first, then each other
-    ``keras.optimizers.Optimizer`` held as an attribute of the model (a GAN's ``d_optimizer`` and
-    ``g_optimizer``, set in its own ``compile``). The outermost only: a LossScaleOptimizer, not its inner one."""
-    import keras
-
-    found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
-    inner = {id(getattr(o, "inner_optimizer", None)) for o in found}
-    for value in vars(model).values():
-        if isinstance(value, keras.optimizers.Optimizer) and all(value is not f for f in found):
-            found.append(value)
-            inner.add(id(getattr(value, "inner_optimizer", None)))
-    return [o for o in found if id(o) not in inner]
-
 
 # -- a model's own train_step/test_step under the replicas of one process (mirrored, central_storage) -------------
 
