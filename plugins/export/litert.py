@@ -172,4 +172,5 @@ def kerasdist_register_exporters(register):
     }
     for format, mode in LITERT_FORMATS.items():
         register(format, functools.partial(export_litert, mode=mode), description=descriptions[mode],
-                 extra="litert", backends=("tensorflow", "jax", "torch"))
+                 extra="litert", backends=("tensorflow", "jax", "torch"), requires=("tensorflow",),
+                 install="pip install 'kerasdist[cpu]' 'kerasdist[litert]'")  # TensorFlow converts on every backend
