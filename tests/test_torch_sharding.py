@@ -51,7 +51,8 @@ def cases(directory, words):
 
 #: scenarios sharing ONE 2-process run (one torch start-up and rendezvous): both words, then the unbuilt model
 #: whose fsdp must raise (last: its error cannot disturb the others)
-SHARED = {"data_parallel": ["data_parallel"], "fsdp": ["fsdp"], "unbuilt": ["fsdp", "--unbuilt"]}
+SHARED = {"data_parallel": ["data_parallel"], "fsdp": ["fsdp"], "saved": ["fsdp", "--save"],
+          "unbuilt": ["fsdp", "--unbuilt"]}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +96,31 @@ def test_fsdp_trains_as_the_reference_within_1e_5(runs, reference):
 
 @on_keras_315
 @pytest.mark.timeout(300)
+@on_keras_315
+@pytest.mark.timeout(600)
+def test_fsdp_checkpoints_and_save_weights_load_into_one_plain_process(runs):
+    """ModelCheckpoint (weights only + best only, whole model) and model.save_weights under fsdp on 2 ranks: rank 0
+    writes the full weights, which load into a plain model that predicts as the fsdp run (before: rank 1 hit
+    HDF5's file lock, rank 0 '.numpy() is not supported for tensor subclasses')."""
+    import keras
+
+    out = runs["saved"]
+    for rank in range(2):
+        error = f"{out}.error-rank{rank}.txt"
+        assert not os.path.exists(error), f"rank {rank}: {open(error).read()}\n{runs['outputs']}"
+    saved = load(out)
+    x = np.random.default_rng(0).normal(size=(65, 16)).astype("float32")[:20]
+    whole = keras.saving.load_model(f"{out}.keras")
+    for path in (f"{out}-best.weights.h5", f"{out}-final.weights.h5"):
+        plain = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(6)])
+        plain.load_weights(path)
+        for model in (plain, whole):
+            difference = max(float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), weights(saved)))
+            assert difference == 0.0, f"{path}: max |w_loaded - w_fsdp| = {difference}"
+            prediction = model.predict(x, batch_size=8, verbose=0)
+            assert np.allclose(prediction, saved["prediction"], atol=1e-5), np.abs(prediction - saved["prediction"]).max()
+
+
 def test_fsdp_on_a_model_without_weights_names_the_fix(runs):
     """A scenario of the shared run: on each rank fsdp raises for a model that has no weights yet."""
     for rank in range(2):
@@ -154,3 +180,15 @@ def test_keras_torch_variables_read_and_assign_the_tensor_fsdp_puts_in_them():
     """The private Keras contract of _keras_internals/torch_sharding.py: a torch Variable's ``_value``."""
     result = run([PYTHON, "-c", CONTRACT], timeout=100, env=child_env(**torch_env()))
     assert "CONTRACT OK" in result.stdout
+
+
+def test_backup_and_restore_under_fsdp_is_one_clear_error_naming_the_fix(tmp_path):
+    """fsdp's fit callbacks (plugins/torch_distributed/callbacks.fsdp_callbacks): BackupAndRestore is refused."""
+    import keras
+
+    import kerasdist
+    from plugins.torch_distributed.callbacks import fsdp_callbacks
+
+    call_kwargs = {"callbacks": [keras.callbacks.BackupAndRestore(str(tmp_path))]}
+    with pytest.raises(kerasdist.KerasdistError, match=r"fsdp: keras.callbacks.BackupAndRestore.*data_parallel"):
+        fsdp_callbacks(call_kwargs, 0, None)

@@ -10,6 +10,7 @@ matmul and reduce-scatters its gradient, and gathers the outputs: the loss and m
 global batch, identical in every rank, and the optimizer updates only this rank's shard.
 """
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -77,6 +78,18 @@ def shard_model(model, strategy, spec):
         shard_variable(variable, strategy.mesh)
     model._kerasdist_fsdp = strategy
     model.call = _sharded_call(model.call, strategy)
+    model.save = _saved_by_rank0(model, model.save, strategy)
+    model.save_weights = _saved_by_rank0(model, model.save_weights, strategy)
+
+
+@kerasdist.hookimpl(specname="kerasdist_adjust_call")
+def adjust_fsdp_call(method, call_kwargs, model, strategy, spec):
+    """Writing callbacks: every rank gathers the full weights, rank 0 writes them (callbacks.fsdp_callbacks)."""
+    if not isinstance(spec, FullySharded) or strategy.mesh is None:
+        return
+    from . import callbacks
+
+    callbacks.fsdp_callbacks(call_kwargs, strategy.rank, lambda model: unsharded(_held_variables(model)))
 
 
 @kerasdist.hookimpl(specname="kerasdist_adjust_compile")
@@ -172,3 +185,47 @@ def _shard_slots(optimizer, strategy):
     for slot in optimizer.variables:
         if len(slot.shape):  # the step counter and other scalars stay plain (implicitly replicated)
             shard_variable(slot, strategy.mesh)
+
+
+def _held_variables(model):
+    optimizer = getattr(model, "optimizer", None)
+    return list(model.variables) + (list(optimizer.variables) if optimizer is not None else [])
+
+
+@contextlib.contextmanager
+def unsharded(variables):
+    """Inside, the variables hold their full tensors (gathered: every rank must enter); their shards after."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from kerasdist.plugin_tools import replace_variable_tensor
+
+    shards = [(variable, variable.value) for variable in variables if isinstance(variable.value, DTensor)]
+    try:
+        with torch.no_grad():
+            for variable, shard in shards:
+                replace_variable_tensor(variable, torch.nn.Parameter(shard.full_tensor(),
+                                                                     requires_grad=shard.requires_grad))
+        yield
+    finally:
+        for variable, shard in shards:
+            replace_variable_tensor(variable, shard)
+
+
+def _saved_by_rank0(model, save, strategy):
+    """``model.save``/``save_weights`` called on every rank: all gather, rank 0 writes, all wait for the file.
+    Called with the weights already gathered (a ModelCheckpoint on rank 0), it just writes."""
+    def saved_by_rank0(*args, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        variables = _held_variables(model)
+        if not any(isinstance(variable.value, DTensor) for variable in variables):
+            return save(*args, **kwargs)
+        import torch.distributed as dist
+
+        with unsharded(variables):
+            result = save(*args, **kwargs) if strategy.rank == 0 else None
+        dist.barrier()
+        return result
+
+    return saved_by_rank0

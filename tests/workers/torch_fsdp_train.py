@@ -2,7 +2,10 @@
 variables) and writes, per rank, OUT-rank{r}.npz: the full weights, the losses, evaluate and predict
 results, and the bytes of weights + optimizer state this process holds.
 
-    KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt]
+    KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt] [--save]
+
+--save: ModelCheckpoint (weights only, best only) to OUT-best.weights.h5 and (whole model) to OUT.keras during fit,
+then ``model.save_weights(OUT-final.weights.h5)`` on every rank.
 """
 
 import os
@@ -34,7 +37,7 @@ def full(variable):
 
 
 def main(argv):
-    out, word, unbuilt = argv[0], argv[1], "--unbuilt" in argv
+    out, word, unbuilt, save = argv[0], argv[1], "--unbuilt" in argv, "--save" in argv
     torch.set_num_threads(1)
     keras.utils.set_random_seed(0)
     if unbuilt:
@@ -47,7 +50,12 @@ def main(argv):
     y = np.tanh(x[:, :6] + rng.normal(0.0, 0.1, size=(65, 6))).astype("float32")
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
                   distribute=None if word == "none" else word)
-    history = model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False)
+    checkpoints = [keras.callbacks.ModelCheckpoint(f"{out}-best.weights.h5", save_best_only=True,
+                                                   save_weights_only=True, monitor="loss"),
+                   keras.callbacks.ModelCheckpoint(f"{out}.keras")] if save else []
+    history = model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False, callbacks=checkpoints)
+    if save:
+        model.save_weights(f"{out}-final.weights.h5")
     evaluation = model.evaluate(x, y, batch_size=16, verbose=0)
     prediction = np.asarray(model.predict(x[:20], batch_size=8, verbose=0))
     rank = int(os.environ.get("RANK", "0"))
