@@ -15,7 +15,7 @@ import socket
 
 from ._keras_internals import (CHECKED_KERAS_VERSIONS, keras_shuffles_by_epoch, accumulate_across_replicas, all_layers,
                                assign_state_from_first_replica, bind_model, disable_per_channel_quantization,
-                               update_loss_scale_once_per_step,
+                               update_loss_scale_once_per_step, clip_summed_gradients,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
                                flatten_metrics_in_order, install_multiworker_fit_fixes,
                                is_multiworker_strategy, tf_global_seed,
@@ -236,6 +236,7 @@ def replicas_train_as_one_device(compile_kwargs, model, strategy, sync_batch_nor
         compile_kwargs["optimizer"] = optimizer
     weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
     accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
+    clip_summed_gradients(compile_kwargs["optimizer"])
     if sync_batch_norm:
         synchronize_batch_norm(model)
 
@@ -294,6 +295,15 @@ def _copied_batches(generator):
 
 # -- a model's own train_step/test_step under the replicas of one process (mirrored, central_storage) -------------
 
-from .custom_replica_steps import custom_steps_train_as_one_device, rows_of, weighted_scalar_updates  # noqa: E402
+_CUSTOM_REPLICA_STEPS = ("custom_steps_train_as_one_device", "rows_of", "weighted_scalar_updates")
+
+
+def __getattr__(name):
+    """The custom-step helpers import Keras: loaded at first use, so that importing kerasdist never imports Keras."""
+    if name in _CUSTOM_REPLICA_STEPS:
+        from . import custom_replica_steps
+
+        return getattr(custom_replica_steps, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ += ["custom_steps_train_as_one_device", "rows_of", "weighted_scalar_updates"]

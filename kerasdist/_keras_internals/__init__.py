@@ -8,7 +8,8 @@ Keras release changes a piece. This ``__init__`` only re-exports what kerasdist'
   KerasdistError (at compile) when the installed Keras lacks a piece;
 - ``strategy_binding``: moving a model and optimizer built elsewhere under a tf.distribute strategy;
 - ``multiworker_fit``: Keras's first-batch build and log reduction under a multi-worker strategy;
-- ``gradient_routing``: an optimizer's gradient all-reduce routed to another transport;
+- ``gradient_routing``: an optimizer's gradient all-reduce routed to another transport; ``clipping``: its
+  clipping applied to the replicas' summed gradient;
 - ``coordination``: TensorFlow's coordination service; ``backup``: the chief-aware BackupAndRestore;
 - ``training``: what a training step and its variables need (uneven batches, gradient accumulation,
   synchronized batch statistics, JAX layouts, evaluate()'s list);
@@ -20,6 +21,7 @@ Keras release changes a piece. This ``__init__`` only re-exports what kerasdist'
 
 from .backup import make_chief_aware_backup  # noqa: F401
 from .central import assign_state_from_first_replica, update_loss_scale_once_per_step  # noqa: F401
+from .clipping import clip_summed_gradients  # noqa: F401
 from .coordination import configure_coordination, tf_context_initialized  # noqa: F401
 from .gradient_routing import route_gradient_all_reduce  # noqa: F401
 from .layers import disable_per_channel_quantization, refresh_call_signature, state_unlocked  # noqa: F401

@@ -89,6 +89,9 @@ PIECES = {
     "tf_update_step": Piece(
         "TFOptimizer._distributed_tf_update_step: the update gradient accumulation runs", "tf",
         _everywhere(f"{_TF_OPTIMIZER}._distributed_tf_update_step")),
+    "optimizer_clip_gradients": Piece(
+        "BaseOptimizer._clip_gradients: replaced per optimizer to clip the replicas' summed gradient", "tf",
+        _everywhere("keras.src.optimizers.base_optimizer:BaseOptimizer._clip_gradients")),
     "optimizer_var_key": Piece(
         "BaseOptimizer._var_key: how an optimizer indexes its variables (re-indexed after a move)", "tf",
         _everywhere("keras.src.optimizers.base_optimizer:BaseOptimizer._var_key")),
