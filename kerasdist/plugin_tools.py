@@ -306,4 +306,5 @@ def __getattr__(name):
         return getattr(custom_replica_steps, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ += ["custom_steps_train_as_one_device", "rows_of", "weighted_scalar_updates"]
+
+__all__ += list(_CUSTOM_REPLICA_STEPS)
