@@ -61,7 +61,7 @@ def keras_3_stays_tf_keras():
 #: workers in collection order (--dist loadfile), so a long file collected last ran alone at the end
 LONGEST_FIRST = ("test_equivalence.py", "test_torch.py", "test_guide_words.py", "test_ray.py", "test_multiworker.py",
                  "test_multiworker_strategy_free.py", "test_slurm_real.py", "test_horovod.py", "test_jax_custom_steps.py",
-                 "test_keras_nightly_gate.py", "test_fuzz.py")
+                 "test_keras_nightly_gate.py", "test_fuzz.py", "test_pruning_backends.py", "test_jax.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.helpers import ROOT, child_env, python, run
+from helpers import ROOT, child_env, python, run
 
 WORKER = os.path.join(ROOT, "tests", "workers", "export_backends.py")
 BACKENDS = {

@@ -33,13 +33,14 @@ BATCH = 50  # 28 steps an epoch
 #: name -> (prune's arguments, epochs, SGD's learning rate and momentum). dense/prune80/2of4: 20 epochs to full
 #: accuracy (one process and a distributed one drift apart in the last bits over 560 momentum steps, as they do
 #: unpruned; 10 epochs left 80 % 1.5 pt below dense; 2:4 from step 56 ended 2.8 pt below, from step 0 0.75 pt
-#: on JAX); short80: 4 epochs of plain SGD, short enough that they stay
+#: on JAX); short80/short2of4: 4 epochs of plain SGD, short enough that they stay
 #: within 1e-5 and masks can be compared.
 PRUNINGS = {
     "dense": (None, 20, 0.1, 0.9),
     "prune80": (dict(target_sparsity=0.8, begin_step=56, end_step=336, frequency=28), 20, 0.1, 0.9),
     "2of4": (dict(pattern="2:4", schedule="constant", begin_step=0, frequency=28), 20, 0.1, 0.9),
     "short80": (dict(target_sparsity=0.8, begin_step=0, end_step=84, frequency=14), 4, 0.05, 0.0),
+    "short2of4": (dict(pattern="2:4", schedule="constant", begin_step=0, frequency=14), 4, 0.05, 0.0),
 }
 
 
