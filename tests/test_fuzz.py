@@ -32,10 +32,7 @@ SEEDS = {
 if os.environ.get("KERASDIST_FUZZ_ALL_GROUPS") == "1":
     SEEDS.update({"tf_multiworker": [21, 267], "tf_horovod": [21], "jax_processes": [1000]})
 #: (group, seed, word) -> the open defect the seed hits (strict xfail: the test fails once it is exact)
-KNOWN = {
-    ("torch", 1000, "fsdp"): "fsdp: RuntimeError 'The size of tensor a (5) must match the size of tensor b (4)' "
-                             "(a Conv1D model with two outputs; found by the fuzzer)",
-}
+KNOWN = {}
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 

@@ -3,7 +3,8 @@
 
 How, on Keras 3.15 (measured: torch FSDP2's ``fully_shard`` cannot do it, see docs/torch.md): each Keras
 variable's tensor becomes a ``torch.distributed.tensor.DTensor`` on a one-axis device mesh of all the
-processes, ``Shard(0)`` (first axis divisible by the world size, else ``Replicate()``); the optimizer's
+processes, ``Shard(0)`` (a vector or matrix whose first axis divides by the world size, else ``Replicate()``:
+DTensor's convolution backward fails on a sharded kernel of 3+ axes); the optimizer's
 slots are sharded like their variable once built. Every rank iterates the same global batch; the model's
 ``call`` takes this rank's rows as a ``Shard(0)`` DTensor, so DTensor all-gathers each weight for the
 matmul and reduce-scatters its gradient, and gathers the outputs: the loss and metrics are those of the
@@ -80,6 +81,7 @@ def shard_model(model, strategy, spec):
     model.call = _sharded_call(model.call, strategy)
     model.save = _saved_by_rank0(model, model.save, strategy)
     model.save_weights = _saved_by_rank0(model, model.save_weights, strategy)
+    model.get_weights = _gathered(model, model.get_weights)
 
 
 @kerasdist.hookimpl(specname="kerasdist_adjust_call")
@@ -132,7 +134,7 @@ def shard_variable(variable, mesh):
     if isinstance(value, DTensor):
         return
     shape = tuple(value.shape)
-    placement = Shard(0) if shape and shape[0] % mesh.size() == 0 else Replicate()
+    placement = Shard(0) if 1 <= len(shape) <= 2 and shape[0] % mesh.size() == 0 else Replicate()
     tensor = distribute_tensor(value.detach(), mesh, [placement])
     replace_variable_tensor(variable, torch.nn.Parameter(tensor, requires_grad=bool(value.requires_grad)))
 
@@ -210,6 +212,15 @@ def unsharded(variables):
     finally:
         for variable, shard in shards:
             replace_variable_tensor(variable, shard)
+
+
+def _gathered(model, read):
+    """``read`` (``model.get_weights``) on every rank with the full weights: a collective, as ``full_tensor``."""
+    def gathered(*args, **kwargs):
+        with unsharded(_held_variables(model)):
+            return read(*args, **kwargs)
+
+    return gathered
 
 
 def _saved_by_rank0(model, save, strategy):
