@@ -56,3 +56,23 @@ def test_clipping_applies_to_the_global_gradient_as_in_one_process(one_process, 
     trained = _trained(clip, custom, word)
     worst = max(float(np.max(np.abs(a - b))) for a, b in zip(trained, one_process[(clip, custom)]))
     assert worst < 1e-6, f"{word} {clip} custom={custom}: {worst:.3g} off one process"
+
+
+def _trained_embedding(distribute=None):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((4,), dtype="int32")
+    outputs = keras.layers.Dense(3)(keras.layers.Flatten()(keras.layers.Embedding(10, 3)(inputs)))
+    model = keras.Model(inputs, outputs)
+    rng = np.random.default_rng(11)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32") for w in model.get_weights()])
+    model.compile(optimizer=keras.optimizers.SGD(0.2, clipnorm=0.1), loss="mse",
+                  **({"distribute": distribute} if distribute else {}))
+    x, y = _data()
+    model.fit(np.abs(x[:, :4] * 3).astype("int32") % 10, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def test_clipnorm_of_sparse_embedding_gradients_applies_to_the_global_gradient():
+    """An Embedding's gradient reaches the optimizer as tf.IndexedSlices (0.070 off one process before)."""
+    worst = max(float(np.max(np.abs(a - b))) for a, b in zip(_trained_embedding("mirrored"), _trained_embedding()))
+    assert worst < 1e-6, f"{worst:.3g} off one process"
