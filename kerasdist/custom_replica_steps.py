@@ -83,7 +83,7 @@ def _replica_step(model, keras_step, summed, training):
         with weighted_scalar_updates(model, rows, share, summed), unscaled_losses():
             current = _step.current  # its gradient weight: what this step's optimizers apply
             logs = keras_step(data)
-        return _global_logs(context, _metrics(model), logs, current)
+        return _global_logs(context, unique_variables(model.metrics), logs, current)
 
     step._kerasdist_replica_step = True
     return step
@@ -97,7 +97,7 @@ def weighted_scalar_updates(model, rows, share, summed=False):
     counted once (``summed``: the losses sum over rows, and the value adds whole)."""
     import tensorflow as tf
 
-    for metric in _metrics(model):
+    for metric in unique_variables(model.metrics):
         _watch(metric)
     before = getattr(_step, "current", None)
     _step.current = _ReplicaStep(rows, share, tf.cast(rows > 0, tf.float32) if summed else share)
@@ -178,15 +178,6 @@ def _scalar_float(value):
     dtype = getattr(value, "dtype", None)
     return (isinstance(value, float) or dtype is not None and len(getattr(value, "shape", (1,))) == 0
             and keras.backend.is_float_dtype(keras.backend.standardize_dtype(dtype)))
-
-
-def _metrics(model):
-    seen, found = set(), []
-    for metric in model.metrics:
-        if id(metric) not in seen:
-            seen.add(id(metric))
-            found.append(metric)
-    return found
 
 
 def _watch(metric):

@@ -18,7 +18,7 @@ import weakref
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import (int_pieces, keras_step_order_is_known, mean_state, note_applied,
+from kerasdist.plugin_tools import (int_pieces, keras_step_order_is_known, mean_state, note_applied, rows_of,
                                     optimizers_held_by, same_everywhere, start_first_step_check, unique_variables,
                                     unsummed_after_first_step, unsummed_updates_error)
 
@@ -181,7 +181,7 @@ def _wrap_steps(model, exchange):
         skip_loss = name == "train_step" and exchange.own_step
 
         def step(data, keras_step=keras_step, skip_loss=skip_loss):
-            exchange.rows, exchange.loss = _rows_of(data), None
+            exchange.rows, exchange.loss = rows_of(data), None
             exchange.tracker_before = _loss_tracker_before(model) if skip_loss else None
             try:
                 return _summed_step(model, exchange, keras_step, data, skip_loss)
@@ -262,17 +262,6 @@ def _loose_logs(model, logs):
             " each worker holds only its share of the batch's rows, so they cannot be the global batch's. Return "
             "scalars (a mean: keras.ops.mean(...)) or a metric's result (update a keras.metrics.Metric with them).")
     return floats
-
-
-def _rows_of(data):
-    import tensorflow as tf
-
-    try:
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-    except ValueError:  # a custom step's own structure
-        x = data
-    leaf = next((t for t in keras.tree.flatten(x) if t is not None), None)
-    return tf.cast(tf.shape(leaf)[0], tf.float32) if leaf is not None else tf.constant(1.0)
 
 
 def _metric_variables(model, skip_loss):

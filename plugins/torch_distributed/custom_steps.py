@@ -35,7 +35,7 @@ def summed_step(model, state, step, data, training):
         state.unit = largest(state.rows)
     state.metrics_global = True  # get_metrics_result in the step: this rank's values (reduced below)
     state.loss_scaled = False
-    metrics = _metrics(model)
+    metrics = unique_variables(model.metrics)  # each metric once
     for metric in metrics:
         _watch(metric, state)
     variables = unique_variables(v for m in metrics for v in m.variables)
@@ -128,15 +128,6 @@ def _times(values, factor):
     import torch
 
     return values * factor if factor else torch.zeros_like(values)
-
-
-def _metrics(model):
-    seen, found = set(), []
-    for metric in model.metrics:
-        if id(metric) not in seen:
-            seen.add(id(metric))
-            found.append(metric)
-    return found
 
 
 def _results(model, metrics):
