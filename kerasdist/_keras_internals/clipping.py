@@ -5,12 +5,12 @@ instance) before the TensorFlow backend sums them over the replicas: ``clip(g1) 
 ``clip(g1 + g2)``. See :func:`clip_summed_gradients`.
 """
 
+from .gradient_routing import _PRESUMMED_ATTR  # the gradients reaching apply are already summed
 from .strategy_binding import optimizer_chain
 from .versions import require
 
 _CLIP_ATTR = "_clip_gradients"
 _MARK = "_kerasdist_clips_summed_gradients"
-_PRESUMMED_ATTR = "_kerasdist_gradients_summed"  # gradient_routing: the gradients reaching apply are already summed
 
 
 def clip_summed_gradients(optimizer):
