@@ -25,7 +25,7 @@ TORCH_WHEELS ?= /opt/wheels
 FIND_LINKS := $(if $(wildcard $(TORCH_WHEELS)),--find-links $(TORCH_WHEELS))
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench bench-horovod bench-torch venv lock check-lock test-latest test-keras-nightly fuzz clean
+.PHONY: demo test test-extended bench bench-horovod bench-torch venv lock check-lock test-latest test-keras-nightly fuzz clean
 
 $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) $(NIGHTLY_LOCK) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
 	bash .ci/system_packages.sh
@@ -52,6 +52,10 @@ PYTEST_ARGS := -ra $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --di
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# make test plus the tests marked `extended` (multi-process repeats of in-process checks; not part of make test).
+test-extended: $(STAMP)
+	KERASDIST_EXTENDED_TESTS=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 # `pip freeze` of the venv against the lock (also run at the end of every set-up).
 check-lock: $(STAMP)

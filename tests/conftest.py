@@ -64,8 +64,19 @@ LONGEST_FIRST = ("test_equivalence.py", "test_torch.py", "test_guide_words.py", 
                  "test_keras_nightly_gate.py", "test_fuzz.py", "test_pruning_backends.py", "test_jax.py")
 
 
+#: `make test-extended` (KERASDIST_EXTENDED_TESTS=1) also runs the tests marked `extended`: multi-process runs that
+#: repeat, on more processes, what an in-process test of `make test` already checks (kept out of its 25 minutes)
+EXTENDED = os.environ.get("KERASDIST_EXTENDED_TESTS") == "1"
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Files in LONGEST_FIRST first (in that order), then the rest as collected; tests keep their order in a file."""
+    """Files in LONGEST_FIRST first (in that order), then the rest as collected; tests keep their order in a file.
+    Tests marked `extended` are skipped unless KERASDIST_EXTENDED_TESTS=1."""
+    if not EXTENDED:
+        skip = pytest.mark.skip(reason="extended tier: make test-extended (KERASDIST_EXTENDED_TESTS=1)")
+        for item in items:
+            if item.get_closest_marker("extended"):
+                item.add_marker(skip)
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     position = {id(item): index for index, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), position[id(item)]))

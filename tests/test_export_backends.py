@@ -19,7 +19,7 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(BACKENDS))
+@pytest.fixture(scope="module", params=[pytest.param("jax", marks=pytest.mark.extended), "torch"])  # JAX: extended
 def results(request, tmp_path_factory):
     backend = request.param
     if importlib.util.find_spec(backend) is None or importlib.util.find_spec("onnxruntime") is None:

@@ -158,6 +158,7 @@ def test_jax_own_train_step_that_skips_the_optimizer_is_one_clear_error(jax_one)
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_jax_2_processes_prune_like_one_process(jax_two, jax_one):
     one = _result(jax_one, "one-short80")[0]
@@ -175,6 +176,7 @@ def test_jax_2_processes_prune_like_one_process(jax_two, jax_one):
 # -- PyTorch --------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_torch_2_ranks_prune_like_one_process(torch_two, torch_one):
     one = _result(torch_one, "one-short80")[0]

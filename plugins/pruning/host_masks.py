@@ -10,8 +10,6 @@ devices, processes and shards), identical in every process, and applied by the k
   ``torch.compile`` both read it live); an fsdp shard multiplies by it as a replicated tensor.
 """
 
-import numpy as np
-
 from kerasdist.plugin_tools import keras_backend
 
 from .masks import mask_for
@@ -19,6 +17,8 @@ from .masks import mask_for
 
 def full_kernel(variable):
     """The variable's whole value as a NumPy array (a collective where it is sharded over processes)."""
+    import numpy as np
+
     value = variable.value
     if keras_backend() == "jax":
         if not value.is_fully_addressable:
@@ -48,6 +48,8 @@ class HostMask:
     """One kernel's mask as its constraint reads it on JAX (NumPy constant) or PyTorch (a tensor kept in place)."""
 
     def __init__(self, variable):
+        import numpy as np
+
         self.shape, self.dtype = tuple(variable.shape), np.dtype(str(variable.dtype))
         self.array = np.ones(self.shape, self.dtype)
         self.tensor = None
@@ -59,6 +61,8 @@ class HostMask:
 
     def set(self, array):
         """Take the new mask; whether it differs from the one held."""
+        import numpy as np
+
         if np.array_equal(array, self.array):
             return False
         self.array = array
@@ -107,4 +111,6 @@ def assign_masked(variable, full, mask):
 
 def pruned_weights_moved(full, mask):
     """Whether weights the mask zeroes are non-zero (a train step that skipped the optimizer's constraints)."""
+    import numpy as np
+
     return bool(np.any(full[mask.array == 0] != 0))
