@@ -112,6 +112,21 @@ def _check_two_of_four(runs, scenario, ranks):
         assert worst <= 2 and info["sparsity_log"][-1] == 0.5, (scenario, worst)
 
 
+def _check_two_ranks(two, one_process, sharded, long_2of4):
+    """Both ranks: data_parallel and the sharded word (hybrid, fsdp) as one process (80 %, then 2:4 sharded); the
+    20-epoch accuracy runs with KERASDIST_ACCURACY_TESTS=1."""
+    one = _result(one_process, "one-short80")[0]
+    for scenario in ("data_parallel-short80", f"{sharded}-short80"):
+        _check_exact(two, scenario, one, (0, 1))
+    _check_exact(two, f"{sharded}-short2of4", _result(one_process, "one-short2of4")[0], (0, 1))
+    _check_two_of_four(two, f"{sharded}-short2of4", (0, 1))
+    if not ACCURACY:
+        return
+    dense = _result(one_process, "one-dense")[0]
+    for scenario in ("data_parallel-prune80", long_2of4):
+        _check_pruned(two, scenario, dense, (0, 1), pattern="2of4" in scenario)
+
+
 def _check_pruned(runs, scenario, dense, ranks, pattern=False):
     """Ranks hold identical masks; 80 % (or 2:4) reached in the weights themselves; accuracy within 1 pt."""
     results = _result(runs, scenario, ranks)
@@ -161,16 +176,7 @@ def test_jax_own_train_step_that_skips_the_optimizer_is_one_clear_error(jax_one)
 @pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_jax_2_processes_prune_like_one_process(jax_two, jax_one):
-    one = _result(jax_one, "one-short80")[0]
-    for scenario in ("data_parallel-short80", "hybrid-short80"):
-        _check_exact(jax_two, scenario, one, (0, 1))
-    _check_exact(jax_two, "hybrid-short2of4", _result(jax_one, "one-short2of4")[0], (0, 1))
-    _check_two_of_four(jax_two, "hybrid-short2of4", (0, 1))
-    if not ACCURACY:
-        return
-    dense = _result(jax_one, "one-dense")[0]
-    for scenario in ("data_parallel-prune80", "hybrid-2of4"):
-        _check_pruned(jax_two, scenario, dense, (0, 1), pattern="2of4" in scenario)
+    _check_two_ranks(jax_two, jax_one, "hybrid", "hybrid-2of4")
 
 
 # -- PyTorch --------------------------------------------------------------------------------------------
@@ -179,13 +185,4 @@ def test_jax_2_processes_prune_like_one_process(jax_two, jax_one):
 @pytest.mark.extended
 @pytest.mark.timeout(900)
 def test_torch_2_ranks_prune_like_one_process(torch_two, torch_one):
-    one = _result(torch_one, "one-short80")[0]
-    for scenario in ("data_parallel-short80", "fsdp-short80"):  # fsdp: one mask from the whole sharded kernel
-        _check_exact(torch_two, scenario, one, (0, 1))
-    _check_exact(torch_two, "fsdp-short2of4", _result(torch_one, "one-short2of4")[0], (0, 1))
-    _check_two_of_four(torch_two, "fsdp-short2of4", (0, 1))
-    if not ACCURACY:
-        return
-    dense = _result(torch_one, "one-dense")[0]
-    for scenario in ("data_parallel-prune80", "fsdp-2of4"):
-        _check_pruned(torch_two, scenario, dense, (0, 1), pattern="2of4" in scenario)
+    _check_two_ranks(torch_two, torch_one, "fsdp", "fsdp-2of4")  # fsdp: one mask from the whole sharded kernel
