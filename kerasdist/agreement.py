@@ -32,11 +32,14 @@ def _new_counts():
     return {"calls": 0, "by_model": weakref.WeakKeyDictionary()}
 
 
-def check_agreement(method, model, call_kwargs, *, rank, size, sum_arrays, word):
+def check_agreement(method, model, call_kwargs, *, rank, size, sum_arrays, word, epoch_check="begin"):
     """Raise one :class:`KerasdistError` on every rank unless all ``size`` ranks start the same call: call it in
     every rank's ``fit``/``evaluate`` before its first collective; ``fit`` then checks again at each epoch's start
     (a callback added to ``call_kwargs``). ``sum_arrays(*arrays)`` returns the ranks' sums of float64 arrays (as
-    :func:`kerasdist.plugin_tools.same_everywhere` takes it)."""
+    :func:`kerasdist.plugin_tools.same_everywhere` takes it). ``epoch_check="end"``: the next epoch is checked at
+    the end of the one before (``on_epoch_end``, not after the last), for a backend whose fit makes collectives
+    between two epochs before ``on_epoch_begin`` (JAX over several processes: resetting the metrics places their
+    zeros on the global mesh)."""
     if size < 2 or method not in ("fit", "evaluate"):
         return
     counts = process_state.slot("kerasdist.agreement_counts", _new_counts)
@@ -48,9 +51,15 @@ def check_agreement(method, model, call_kwargs, *, rank, size, sum_arrays, word)
     if method == "fit":
         import keras
 
-        class EpochAgreement(keras.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                call.check(epoch)
+        if epoch_check == "end":
+            class EpochAgreement(keras.callbacks.Callback):
+                def on_epoch_end(self, epoch, logs=None):
+                    if epoch + 1 < (self.params or {}).get("epochs", 0):
+                        call.check(epoch + 1)
+        else:
+            class EpochAgreement(keras.callbacks.Callback):
+                def on_epoch_begin(self, epoch, logs=None):
+                    call.check(epoch)
 
         if isinstance(call_kwargs.get("callbacks"), list):  # kerasdist's own copy of the user's list
             call_kwargs["callbacks"].append(EpochAgreement())

@@ -95,3 +95,28 @@ def test_one_process_and_predict_are_not_checked():
     model = _model("alone")
     check_agreement("fit", model, {}, rank=0, size=1, sum_arrays=never, word="multiworker")
     check_agreement("predict", model, {}, rank=0, size=2, sum_arrays=never, word="multiworker")
+
+
+def test_epoch_check_at_the_end_announces_the_next_epoch_but_not_after_the_last():
+    """JAX over several processes (plugins/keras_distribution/processes.py): Keras resets the metrics (a collective
+    there) before on_epoch_begin, so the next epoch is checked at the end of the one before (before: a rank that left
+    the fit met that reset: gloo's 'Received data size doesn't match expected size', an abort)."""
+    from kerasdist import process_state
+    from kerasdist.agreement import check_agreement
+
+    process_state.reset()
+    seen = []
+
+    def keep(table):  # rank 1 in the same call: its row is rank 0's
+        seen.append(int(table[0][3]))
+        return [table + table[[0]] * np.array([[0.0], [1.0]])]
+
+    kwargs = {"epochs": 3}
+    check_agreement("fit", _model("end"), kwargs, rank=0, size=2, sum_arrays=keep, word="data_parallel",
+                    epoch_check="end")
+    callback = kwargs["callbacks"][-1]
+    callback.set_params({"epochs": 3})
+    for epoch in range(3):
+        callback.on_epoch_begin(epoch)
+        callback.on_epoch_end(epoch)
+    assert seen == [-1, 1, 2]

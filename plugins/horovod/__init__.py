@@ -9,8 +9,9 @@ Launch with ``horovodrun -np 2 -H localhost:2 python train.py``; the script only
   ``hvd.grouped_allreduce`` (tensor fusion) first, with the options of Horovod's
   ``DistributedOptimizer`` (op, compression, backward_passes_per_step, sparse_as_dense,
   gradient_predivide_factor, average_aggregated_gradients);
-- at the start of ``fit``: the model must be the same on every rank (checked, never a
-  hang), then weights and optimizer state are broadcast from rank 0;
+- at the start of each ``fit``/``evaluate`` and epoch the ranks must be in the same call on the same model
+  (kerasdist's agreement check: one error naming both sides on every rank, never a hang or two models' gradients
+  averaged); at the start of ``fit`` weights and optimizer state are broadcast from rank 0;
 - batch and epoch logs (validation included) and ``evaluate`` results are those of every rank's rows: each
   metric's state is summed over the ranks before its result is read (other scalars of a custom step: averaged);
 - ``fit``/``evaluate`` data is split between ranks: ``batch_size`` is the global batch (each
@@ -186,10 +187,10 @@ def kerasdist_prepare_dataset(dataset, kind, method, spec):
         from .data import shard_dataset
 
         return shard_dataset(dataset, hvd.rank(), hvd.size(), method)
-    from kerasdist.plugin_tools import seed_shuffling_samplers, split_batches
+    from kerasdist.plugin_tools import split_batches
 
-    if kind == "torch_dataloader":  # every rank must slice the same batch
-        seed_shuffling_samplers(dataset, _shared_seed(hvd))
+    # a shuffling DataLoader's order is settled in kerasdist_adjust_call (_same_loader_order), after the ranks'
+    # agreement check: no collective of a call may come before it
     return split_batches(dataset, hvd.rank(), hvd.size())
 
 
@@ -213,6 +214,14 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
         callbacks[:] = [c for c in callbacks if not chief_only(c)]
     if size == 1:
         return
+    # first, before any collective of the call; evaluate without average_metrics makes none: a rank may call it alone
+    if (method == "fit" or (method == "evaluate" and spec.average_metrics)) and not _elastic(callbacks):
+        from kerasdist.plugin_tools import check_agreement
+
+        check_agreement(method, model, call_kwargs, rank=rank, size=size, sum_arrays=_sum_arrays(hvd),
+                        word="horovod")
+    if spec.shard and not spec.batch_size_per_worker and method in ("fit", "evaluate"):
+        _same_loader_order(hvd, call_kwargs)
     if spec.shard and method in ("fit", "evaluate"):
         if spec.batch_size_per_worker:
             if rank == 0 and method == "fit":
@@ -231,6 +240,46 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
             target = getattr(model.optimizer.__dict__.get("_kerasdist_horovod"), "warmup_target_lr", None)
             callbacks.insert(1, LearningRateWarmupCallback(initial_lr=target, warmup_epochs=spec.warmup_epochs))
         callbacks.append(BroadcastStateCallback())  # last: after any callback that loads state on rank 0
+
+
+def _elastic(callbacks):
+    """Whether this is ``run_elastic``'s fit: a worker that joins later has made fewer calls than the others (the
+    agreement check compares the counts); elastic's own state sync puts every worker at one epoch."""
+    from .callbacks import CommitStateCallback
+
+    return any(isinstance(callback, CommitStateCallback) for callback in callbacks)
+
+
+def _sum_arrays(hvd):
+    """The ranks' sums of float64 arrays in one Horovod all-reduce (``kerasdist.plugin_tools``'s ``sum_arrays``).
+    One name for every such sum: two ranks at different ones fail on Horovod's shape check rather than wait."""
+
+    def sum_arrays(*arrays):
+        import numpy as np
+        import tensorflow as tf
+
+        arrays = [np.asarray(a, dtype=np.float64) for a in arrays]
+        message = np.concatenate([a.ravel() for a in arrays])
+        summed = hvd.allreduce(tf.constant(message), op=hvd.Sum, name="kerasdist_sum_arrays").numpy()
+        ends = np.cumsum([a.size for a in arrays])[:-1]
+        return [part.reshape(a.shape) for part, a in zip(np.split(summed, ends), arrays)]
+
+    return sum_arrays
+
+
+def _same_loader_order(hvd, call_kwargs):
+    """Every rank slices the same global batches of a torch ``DataLoader`` (``x``, or fit's ``validation_data``,
+    split by kerasdist_prepare_dataset): where every rank holds the same torch generator states (the same script
+    after ``torch.manual_seed`` / ``keras.utils.set_random_seed``, or torch's fixed default seed) each draws one
+    process's order as it is; else the shuffling samplers are seeded with one shared seed (issue 35 item 10: they
+    always were, another order than one process's: weights 0.0169 off)."""
+    from kerasdist.plugin_tools import data_loader_draws_alike, input_kind, seed_shuffling_samplers
+
+    for name in ("x", "validation_data"):
+        loader = call_kwargs.get(name)
+        if input_kind(loader) == "torch_dataloader" and not data_loader_draws_alike(loader, _sum_arrays(hvd),
+                                                                                      hvd.size()):
+            seed_shuffling_samplers(loader, _shared_seed(hvd))
 
 
 def _shared_seed(hvd):

@@ -260,6 +260,8 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
             raise kerasdist.KerasdistError(
                 f"{spec.name}: predict over several JAX processes is not supported; predict in one process "
                 "(e.g. load the saved model there), or under kerasdist.is_chief() after training.")
+        if method in ("fit", "evaluate"):
+            processes.check_agreement(method, model, call_kwargs, spec.name)  # first: before any collective
         processes.share_random_state()  # a NumPy shuffle draws process 0's permutation in every process
         processes.quiet_other_processes(method, call_kwargs)
 

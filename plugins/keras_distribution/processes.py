@@ -87,6 +87,32 @@ def _check_same_batch(batch):
             "same files in every process.")
 
 
+def check_agreement(method, model, call_kwargs, word):
+    """Every process starts the same ``fit``/``evaluate`` on the same model (kerasdist's agreement check, issue 35):
+    else one error naming both sides in every process, before this call's first collective (before: a process that left a
+    fit for the next KerasTuner trial's model waited in that fit's first collective while the other trained on:
+    a hang)."""
+    from kerasdist.plugin_tools import check_agreement as check
+
+    count, index = process_count()
+    # each next epoch at the end of the one before: Keras resets the metrics (their zeros placed on the global
+    # mesh, a collective) before on_epoch_begin
+    check(method, model, call_kwargs, rank=index, size=count, sum_arrays=sum_arrays, word=word, epoch_check="end")
+
+
+def sum_arrays(*arrays):
+    """The processes' sums of float64 arrays, exact, in one ``process_allgather``: each array travels as its bits
+    (int32; JAX without x64 would make float64 float32) and is summed here."""
+    from jax.experimental import multihost_utils
+
+    arrays = [np.ascontiguousarray(np.asarray(a, dtype=np.float64)) for a in arrays]
+    bits = np.concatenate([a.reshape(-1) for a in arrays]).view(np.int32)
+    every = np.ascontiguousarray(np.asarray(multihost_utils.process_allgather(bits))).view(np.float64)
+    summed = every.reshape(-1, bits.size // 2).sum(axis=0)
+    ends = np.cumsum([a.size for a in arrays])[:-1]
+    return [part.reshape(a.shape) for part, a in zip(np.split(summed, ends), arrays)]
+
+
 def share_random_state():
     """NumPy's global random state of process 0 in every process (Keras shuffles NumPy inputs with it):
     every process then draws process 0's permutation, which with ``keras.utils.set_random_seed`` is the one

@@ -6,11 +6,11 @@ FEATURES, HIDDEN, CLASSES = 8, 16, 3
 BATCH = 16  # per rank
 
 
-def build_model(hidden=HIDDEN):
+def build_model(hidden=HIDDEN, name=None):
     import keras
 
     return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(hidden, activation="tanh"),
-                             keras.layers.Dense(CLASSES)])
+                             keras.layers.Dense(CLASSES)], name=name)
 
 
 def build_added_losses_model():
@@ -197,3 +197,23 @@ def issue35_cases(distribute):
     out["mean_loss_step_loss"] = np.array(history.history["loss"] + history.history["val_loss"])
     out["mean_loss_step_batch_logs"] = np.array(logs.rows)
     return out
+
+
+def data_loader_case(distribute):
+    """hvd_train.py's suite case 13 (issue 35 item 10; the test runs it on one process): a shuffling torch DataLoader
+    of global batches after ``torch.manual_seed(0)`` on every rank: each rank draws one process's order and takes its
+    part of every batch (before: horovod always seeded the sampler with a shared seed of its own, another order).
+    Returns the weights and the loss per epoch."""
+    import keras
+    import torch
+
+    x, y = data(batches=8)
+    model = build_model()
+    model.set_weights(initial_weights(12))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"], distribute=distribute)
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y)),
+                                         batch_size=2 * BATCH, shuffle=True)
+    history = model.fit(loader, epochs=2, verbose=0)
+    return {"weights": np.concatenate([np.ravel(w) for w in model.get_weights()]),
+            "loss": np.array(history.history["loss"])}

@@ -4,7 +4,8 @@
 
 MODE "suite" runs every numerical check in one job (one start-up for all of them) and writes
 each rank's results to OUTDIR/rank<R>.npz; "mismatch" builds a different model on rank 1;
-"crash" makes rank 1 raise in the middle of fit; "single" trains without horovodrun.
+"crash" makes rank 1 raise in the middle of fit; "single" trains without horovodrun;
+"diverged" and "data_loader" run one of the suite's cases alone (to measure it).
 """
 
 import os
@@ -148,6 +149,13 @@ def suite(outdir):
     for name, value in common.issue35_cases("horovod").items():
         out[f"issue35_{name}"] = value
 
+    # 13. Issue 35 item 10: a shuffling torch DataLoader after torch.manual_seed: one process's order.
+    for name, value in common.data_loader_case("horovod").items():
+        out[f"data_loader_{name}"] = value
+
+    # 14. Issue 35 item 2, last (the ranks' counts of calls differ after it): rank 1 leaves a fit for the next one.
+    out["diverged_errors"] = np.array(diverged(outdir))
+
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), **{k: _array(v) for k, v in out.items()})
     print(f"rank {rank}/{size}: suite done", flush=True)
 
@@ -167,6 +175,41 @@ def mismatch(outdir):
     x, y = common.data(batches=4)
     model.fit(x, y, batch_size=common.BATCH, epochs=1, verbose=0)
     print("mismatch: fit returned", flush=True)
+
+
+def diverged(outdir):
+    """Issue 35 item 2, as KerasTuner does it: a trial's fit fails on rank 1 only (its checkpoint write), which goes
+    on to the next trial's model, of the same shapes, while rank 0 still trains the first (before: rank 1's next fit
+    waited on collectives rank 0 never makes: a hang, killed after 200 s). Every rank raises one error naming both sides. Returns the
+    errors each rank saw, in order."""
+    rank, _ = rank_and_size()
+    x, y = common.data(batches=4)
+
+    class FailsOnRankOne(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if rank == 1:
+                raise OSError("unable to lock file (simulated)")
+
+    errors = []
+    for trial in (1, 2):
+        model = common.build_model(name=f"trial_{trial}")
+        model.set_weights(common.initial_weights(20 + trial))
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute="horovod")
+        try:
+            model.fit(x, y, batch_size=GLOBAL, epochs=3, verbose=0, callbacks=[FailsOnRankOne()])
+        except OSError as exc:  # KerasTuner marks the trial failed and goes on
+            errors.append(f"{type(exc).__name__}: {exc}")
+        except kerasdist.KerasdistError as exc:  # the ranks are out of step for good: the suite's last case
+            errors.append(f"{type(exc).__name__}: {exc}")
+            break
+    print(f"rank {rank}: diverged: {errors}", flush=True)
+    return errors
+
+
+def data_loader(outdir):
+    """Suite case 13 alone (to measure it): writes OUTDIR/data_loader_rank<R>.npz."""
+    rank, _ = rank_and_size()
+    np.savez(os.path.join(outdir, f"data_loader_rank{rank}.npz"), **common.data_loader_case("horovod"))
 
 
 def crash(outdir):
@@ -193,4 +236,5 @@ def single(outdir):
 
 if __name__ == "__main__":
     mode, outdir = sys.argv[1], sys.argv[2]
-    {"suite": suite, "mismatch": mismatch, "crash": crash, "single": single}[mode](outdir)
+    {"suite": suite, "mismatch": mismatch, "crash": crash, "single": single, "diverged": diverged,
+     "data_loader": data_loader}[mode](outdir)

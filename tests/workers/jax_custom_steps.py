@@ -342,6 +342,50 @@ for case in CASES:
     if CASES[case].get("predict") and jax.process_count() == 1:  # 239 rows in batches of 32: uneven last batch
         results[case]["predict_diff"] = float(np.max(np.abs(model.predict(X, batch_size=BATCH, verbose=0)
                                                             - plain.predict(X, batch_size=BATCH, verbose=0))))
+
+
+def diverged():
+    """Issue 35 item 2, as KerasTuner does it (over several processes; the last case: the processes' counts of calls
+    differ after it): a trial's fit fails on process 1 only (its checkpoint write), which goes on to the next trial's
+    model, of the same shapes (both compiled before: compiling lays variables out on the mesh), while process 0 still
+    trains the first. Before: process 1 waited in trial 2's first collective (NumPy's random state shared) while
+    process 0 trained on: a hang (killed after 240 s). Now every process raises one error naming both sides (2.6 s).
+    Returns each one's errors."""
+    rank = jax.process_index()
+
+    class FailsOnProcessOne(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if rank == 1:
+                raise OSError("unable to lock file (simulated)")
+
+    models = []
+    for trial in (1, 2):
+        keras.utils.set_random_seed(trial)
+        models.append(keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)], name=f"trial_{trial}"))
+        models[-1].compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", distribute="data_parallel")
+    errors = []
+    for model in models:
+        try:
+            model.fit(**arrays(rows=128), epochs=3, shuffle=False, verbose=0, callbacks=[FailsOnProcessOne()])
+        except OSError as exc:  # KerasTuner marks the trial failed and goes on
+            errors.append(f"{type(exc).__name__}: {exc}")
+        except kerasdist.KerasdistError as exc:  # the processes are out of step for good
+            errors.append(f"{type(exc).__name__}: {exc}")
+            break
+    return errors
+
+
+if jax.process_count() > 1:
+    print("CASE diverged", flush=True)
+    results["diverged"] = {"errors": diverged()}
 with open(f"{sys.argv[1]}.{jax.process_index()}", "w") as f:
     json.dump(results, f, indent=1)
+if jax.process_count() > 1:  # tests/test_jax_custom_steps.py reads the cases above; this one checks itself
+    WANT = ("KerasdistError: distribute='data_parallel': the ranks are not in the same call: ",
+            "rank 1 is in fit #1 of model 'trial_2' (its start)", "rank 0 in fit #1 of model 'trial_1' (epoch 1)")
+    last = (results["diverged"]["errors"] or [""])[-1]
+    if not (last.startswith(WANT[0]) and all(w in last for w in WANT[1:])):
+        print(f"FAILED diverged (issue 35 item 2): process {jax.process_index()} got {results['diverged']}",
+              flush=True)
+        sys.exit(1)
 print("DONE", flush=True)
