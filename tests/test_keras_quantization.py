@@ -1,11 +1,11 @@
 """Keras's own quantization under a strategy word (issue 36): float8 training (``model.quantize("float8")`` or
 ``kerasdist.float8()``) and an int8 / int4 LoRA fine-tune (``model.quantize("int8")`` + ``enable_lora(4)`` or
 ``kerasdist.qlora(rank=4, mode="int8")``), trained with and without the word on the same global batches
-(tests/workers/keras_quantization.py: Dense 64-128-10 on random data, SGD 0.05, global batch 32, 16 steps).
+(tests/workers/keras_quantization.py: Dense 64-128-10 on random data, SGD 0.05, global batch 32, 8 steps).
 
-`make test`: TensorFlow mirrored in this process (2 CPU replicas) and JAX data_parallel 1x2 in one child process.
-`make test-extended` adds the multi-process words: TensorFlow multiworker (`kerasdist launch -n 2`: LoRA; float8
-refused), PyTorch data_parallel and fsdp (`launch -n 2`) and JAX data_parallel over 2 processes.
+`make test`: TensorFlow mirrored in this process (2 CPU replicas), about 20 s. `make test-extended` adds JAX
+data_parallel 1x2 (one child process) and the multi-process words: TensorFlow multiworker (`kerasdist launch -n 2`:
+LoRA; float8 refused), PyTorch data_parallel and fsdp (`launch -n 2`) and JAX data_parallel over 2 processes.
 
 Float8 under TensorFlow's and PyTorch's replicas is compared on Dense layers without bias: Keras's float8 Dense
 rounds its bias to bfloat16 in the forward pass, so each replica's bias gradient is rounded to bfloat16 before the
@@ -134,7 +134,7 @@ def test_float8_with_gradient_accumulation_under_a_word_is_refused(worker):
                       distribute=["mirrored", "float8"])
 
 
-# -- child processes: JAX 1x2 (make test), multi-process words (extended) ---------------------------------
+# -- child processes (extended): JAX 1x2, multi-process words ---------------------------------------------
 
 def _results(out, scenario, ranks=(0,)):
     errors = [open(p).read() for p in sorted(glob.glob(f"{out}-{scenario}.error-rank*.txt"))]
@@ -179,6 +179,7 @@ def jax_1x2(tmp_path_factory):
                    child_env(KERAS_BACKEND="jax", XLA_FLAGS="--xla_force_host_platform_device_count=2"), ranks=1)
 
 
+@pytest.mark.extended  # in make test it cost 38 s of the suite's time (a JAX start); JAX needs no fix here
 @pytest.mark.timeout(TIMEOUT)
 def test_jax_data_parallel_1x2_equals_one_device(worker, jax_1x2):
     """JAX's batch is one global array: float8's maxima are the global batch's already, biases included (LoRA on
