@@ -53,9 +53,10 @@ PYTEST_ARGS := -ra $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --di
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# make test plus the tests marked `extended` (multi-process repeats of in-process checks; not part of make test).
+# The extended tier only: the tests marked `extended` (tests/conftest.py's EXTENDED_HERE lists the rest), each a
+# multi-process repeat of what `make test` checks another way. Not part of make test; .ci/run runs both.
 test-extended: $(STAMP)
-	KERASDIST_EXTENDED_TESTS=1 $(PY) -m pytest $(PYTEST_ARGS)
+	KERASDIST_EXTENDED_TESTS=1 $(PY) -m pytest $(PYTEST_ARGS) -m extended
 
 # `pip freeze` of the venv against the lock (also run at the end of every set-up).
 check-lock: $(STAMP)

@@ -1,4 +1,5 @@
 import os
+import re
 import shutil
 import sys
 
@@ -57,21 +58,69 @@ def keras_3_stays_tf_keras():
                     "Keras 2 as tf.keras (import tensorflow_model_optimization only in a child process)")
 
 
-#: the files that run longest (loaded wall seconds, 2026-11-27), started first: `make test` runs files on 2 xdist
-#: workers in collection order (--dist loadfile), so a long file collected last ran alone at the end
-LONGEST_FIRST = ("test_equivalence.py", "test_torch.py", "test_guide_words.py", "test_ray.py", "test_multiworker.py",
-                 "test_multiworker_strategy_free.py", "test_slurm_real.py", "test_horovod.py", "test_jax_custom_steps.py",
-                 "test_keras_nightly_gate.py", "test_fuzz.py", "test_pruning_backends.py", "test_jax.py")
+#: the files that run longest (wall seconds of one xdist worker, measured 2026-11-29 with --durations), started
+#: first: `make test` runs files on 2 xdist workers in collection order (--dist loadfile), so a long file collected
+#: last runs alone at the end
+LONGEST_FIRST = ("test_equivalence.py", "test_multiworker_strategy_free.py", "test_multiworker.py", "test_torch.py",
+                 "test_qat.py", "test_horovod.py", "test_mirrored.py", "test_fuzz.py", "test_guide_words.py",
+                 "test_hooks.py", "test_multiworker_row_counts.py", "test_jax_custom_steps.py", "test_replica_semantics.py",
+                 "test_guide_seed_tutorials.py", "test_guide_multi_worker.py", "test_slurm_real.py", "test_jax.py")
 
 
 #: `make test-extended` (KERASDIST_EXTENDED_TESTS=1) also runs the tests marked `extended`: multi-process runs that
-#: repeat, on more processes, what an in-process test of `make test` already checks (kept out of its 25 minutes)
+#: repeat, on more processes or another launcher, what a test of `make test` already checks (kept out of its 25
+#: minutes; `.ci/run` runs both tiers)
 EXTENDED = os.environ.get("KERASDIST_EXTENDED_TESTS") == "1"
+
+#: tests of the extended tier that live in files of `make test`: node id pattern -> what checks the same in make test
+#: (loaded seconds of each, measured 2026-11-29)
+EXTENDED_HERE = {
+    r"tests/test_jax_custom_steps\.py::test_custom_steps_tf_data_and_evaluate_over_2_processes":
+        "the same cases on 1 process x 2 devices (322 s)",
+    r"tests/guides/test_guide_words\.py::\w+\[(mirrored|central_storage|multiworker|horovod|jax-data_parallel)[-\]]":
+        "the same guides under torch data_parallel, and the equivalence matrix's rows of these words (900 s)",
+    r"tests/test_equivalence\.py::test_same_steps_weights_and_val_loss_as_plain_keras\[multiworker_mwms-":
+        "the multiworker row (strategy-free step); MWMS's step in test_multiworker's transports (157 s)",
+    r"tests/test_equivalence\.py::test_a_loss_scale_overflow_on_one_(worker_is_skipped_by_every_worker\[ring\]|horovod)":
+        "the same overflow over kerasdist's TCP ring, and under the strategy-free step (68 s)",
+    r"tests/test_ray\.py::test_ray_train_gets_metrics_and_checkpoints_and_a_retry":
+        "Ray's TorchTrainer test; the retry's resume is BackupAndRestore's, tested under launch (150 s)",
+    r"tests/test_torch\.py::test_sigkilled_worker":
+        "test_multiworker's killed worker resumes from the backup (132 s)",
+    r"tests/guides/test_guide_multi_worker\.py::test_tutorial_with_tf_config_set_by_hand":
+        "the same tutorial under kerasdist launch; TF_CONFIG parsing in test_cluster_env (89 s)",
+    r"tests/test_multiworker\.py::test_built_in_methods_guide_under_the_strategy_step":
+        "the guide under torch; MWMS's step in test_multiworker's transports (79 s)",
+    r"tests/test_keras_nightly_gate\.py::test_(multiworker_both_steps_under_launch|torch_words_on_two_ranks)":
+        "the next Keras in one process per backend; make test-keras-nightly runs the whole suite on it (65 s)",
+    r"tests/test_jax\.py::test_launch_2_processes_of_4_devices":
+        "the equivalence matrix's jax_processes row, and the 2x4 mesh in one process (70 s)",
+    r"tests/test_qat\.py::test_(qat_recovers_what_per_tensor|two_of_four_pruning_keeps_accuracy)":
+        "QAT's accuracy on digits in the LiteRT file, and 2:4 in test_pruning (71 s)",
+    r"tests/test_transport_probe\.py::test_auto_probes_both_transports_and_every_worker_uses_rank_0s_choice\[at-fit\]":
+        "the same probe at compile (27 s)",
+    r"tests/test_multiworker_strategy_free\.py::test_workers_with_different_strategy_free_settings_fail_at_compile_naming_each\[auto":
+        "the same refusal for on/off (21 s)",
+    r"tests/test_horovod\.py::test_check_build_shows_tensorflow_and_gloo":
+        "every horovodrun launch of test_horovod needs TensorFlow and Gloo in the build (52 s)",
+    r"tests/test_multiworker_row_counts\.py::":
+        "the equivalence matrix's multiworker row: uneven last batches of every input kind (108 s)",
+    r"tests/test_central_storage\.py::test_a_py_dataset_trains_in_one_processs_shuffled_order":
+        "the same under mirrored, and the matrix's input_py_dataset column (25 s)",
+    r"tests/test_multiworker\.py::test_tf_data_input_is_sharded_and_equals_single_process_on_the_global_batch":
+        "the equivalence matrix's multiworker / input_tf_data cell (38 s)",
+    r"tests/test_slurm_real\.py::test_torch_tasks_of_an_srun_step_form_one_group":
+        "srun's TensorFlow tasks as one job; torch's rendezvous from Slurm's variables in test_cluster_env (34 s)",
+}
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Files in LONGEST_FIRST first (in that order), then the rest as collected; tests keep their order in a file.
-    Tests marked `extended` are skipped unless KERASDIST_EXTENDED_TESTS=1."""
+    Tests marked `extended` (or listed in EXTENDED_HERE) are skipped unless KERASDIST_EXTENDED_TESTS=1."""
+    patterns = [re.compile(pattern) for pattern in EXTENDED_HERE]
+    for item in items:
+        if any(pattern.match(item.nodeid) for pattern in patterns):
+            item.add_marker(pytest.mark.extended)
     if not EXTENDED:
         skip = pytest.mark.skip(reason="extended tier: make test-extended (KERASDIST_EXTENDED_TESTS=1)")
         for item in items:
