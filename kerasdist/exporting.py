@@ -14,8 +14,8 @@ TensorRT exporters use nothing else, so a third-party exporter can do what they 
 
 The quantization protocol: a layer that simulates int8 quantization in training carries
 ``kerasdist_quantization_recipe`` (a string naming the runtime whose scheme it learned, e.g. "litert" or
-"tensorrt") and ``kerasdist_quantization_ranges()`` (``{name: (min, max)}``, NaN until trained), and reads
-:func:`trace_mode` in ``call``: "train" (fake quantization from variables), "float" (no quantization),
+"tensorrt") and ``kerasdist_quantization_ranges()`` (``{name: (min, max)}``, not finite until trained: NaN or
++-inf), and reads :func:`trace_mode` in ``call``: "train" (fake quantization from variables), "float" (no quantization),
 "litert" or "onnx" (constant ranges, the ops that converter turns into int8).
 """
 
@@ -53,7 +53,9 @@ class ExportResult:
 def export(model, filepath, format, **options):
     """Convert ``model`` to ``format`` (see ``kerasdist plugins --kind export``) and write ``filepath``.
 
-    Options are checked against the exporter's before anything runs."""
+    Options are checked against the exporter's before anything runs. In a job of several torch ranks or JAX
+    processes, call it in every rank: rank 0 alone writes ``filepath`` (from a plain copy of the model that every
+    rank saves), and every rank returns its result or raises its error (:func:`_export_in_rank0`)."""
     from .manager import get_system
 
     entry = get_system().registry.get(format, kinds=("export",))
@@ -61,7 +63,117 @@ def export(model, filepath, format, **options):
     reason = entry.unavailable_reason()
     if reason:
         raise PluginUnavailableError(f"Export format {entry.name!r} cannot run here: {reason}.")
-    return entry.factory(model, filepath, **{**entry.defaults, **options})
+    options = {**entry.defaults, **options}
+    job = _job_processes()
+    if job is None:
+        return entry.factory(model, filepath, **options)
+    return _export_in_rank0(job, entry, model, filepath, options)
+
+
+# -- one job of several processes (torch.distributed, JAX processes): rank 0 writes, every rank returns ---------
+
+class _Processes:
+    """The ranks of the job this process belongs to: ``rank``, ``size``, ``broadcast(obj)`` (rank 0's object
+    in every rank; a collective every rank enters)."""
+
+    def __init__(self, rank, size, broadcast, what):
+        self.rank, self.size, self.broadcast, self.what = rank, size, broadcast, what
+
+
+def _job_processes():
+    """The job of several processes this process trains in (torch.distributed's default group, JAX's processes),
+    or None for one process. TensorFlow's multi-worker strategies are not looked at here."""
+    import sys
+
+    backend = _backend()
+    if backend == "torch" and "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            def broadcast(value):
+                box = [value]
+                dist.broadcast_object_list(box, src=0)
+                return box[0]
+
+            return _Processes(dist.get_rank(), dist.get_world_size(), broadcast, "torch.distributed ranks")
+    if backend == "jax" and "jax" in sys.modules:
+        import jax
+
+        if jax.process_count() > 1:
+            return _Processes(jax.process_index(), jax.process_count(), _jax_broadcast, "JAX processes")
+    return None
+
+
+@contextlib.contextmanager
+def _random_state_kept():
+    """Python's, NumPy's and torch's global random states as they were: loading the copy in rank 0 may draw seeds
+    for its initializers (Keras's ``make_default_seed``), which would leave rank 0's state unlike the other ranks'
+    (and one process's, which loads no copy)."""
+    import random
+    import sys
+
+    import numpy as np
+
+    python, numpy = random.getstate(), np.random.get_state()
+    torch = sys.modules.get("torch")
+    generator = torch.random.get_rng_state() if torch is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        if generator is not None:
+            torch.random.set_rng_state(generator)
+
+
+def _jax_broadcast(value):
+    """Process 0's picklable ``value`` in every JAX process (its length, then its bytes)."""
+    import pickle
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(pickle.dumps(value), dtype=np.uint8) if value is not None else np.zeros(0, np.uint8)
+    size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([len(data)], np.int64)))[0])
+    padded = np.zeros(size, np.uint8)
+    padded[:min(size, len(data))] = data[:size]
+    return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(padded)).astype(np.uint8).tobytes())
+
+
+def _export_in_rank0(job, entry, model, filepath, options):
+    """``kerasdist.export`` called in every rank of a job (as a torch or Lightning script calls a checkpoint
+    save): every rank saves the model to a private file (a collective where weights are sharded: fsdp gathers
+    them, JAX processes hold one global array), rank 0 loads its copy, a plain one-process model, and exports
+    it to ``filepath`` (with ``verify_with=``, against that copy); every rank then returns rank 0's
+    ExportResult, or raises rank 0's error. Only rank 0 writes ``filepath``; no two processes write one file."""
+    import tempfile
+
+    error = result = None
+    with tempfile.TemporaryDirectory(prefix=f"kerasdist-export-rank{job.rank}-") as folder, _random_state_kept():
+        copy = os.path.join(folder, "model.keras")
+        try:
+            model.save(copy)  # every rank: the gathers of sharded weights are collectives
+        except Exception as exc:  # noqa: BLE001 (every rank must reach the broadcast below)
+            error = KerasdistError(
+                f"export(format={entry.name!r}) in a job of {job.size} {job.what}: rank 0 exports a copy of the "
+                f"model saved by every rank, but model.save failed in rank {job.rank} ({type(exc).__name__}: {exc}); "
+                "make every custom layer serializable (keras.saving.register_keras_serializable, get_config).")
+            error.__cause__ = exc
+        if job.rank == 0 and error is None:
+            try:
+                import keras
+
+                result = entry.factory(keras.saving.load_model(copy, compile=False), filepath, **options)
+            except Exception as exc:  # noqa: BLE001 (raised below, after the other ranks heard of it)
+                error = exc
+        outcome = job.broadcast(("ok", result) if job.rank != 0 or error is None
+                                else ("error", f"{type(error).__name__}: {error}"))
+    if error is not None:
+        raise error
+    if outcome[0] == "error":
+        raise KerasdistError(f"export(format={entry.name!r}) in a job of {job.size} {job.what}: rank 0, which "
+                             f"writes {os.fspath(filepath)} for every rank, failed: {outcome[1]}")
+    return outcome[1]
 
 
 # -- checks before converting ------------------------------------------------------------------
@@ -250,9 +362,10 @@ def quantization_recipe(model):
 
 
 def check_ranges_learned(model, format):
-    """Export needs learned ranges: a layer that never saw a training batch has none (NaN)."""
+    """Export needs learned ranges: a layer that never saw a training batch has none (NaN or +-inf)."""
     untrained = sorted(layer.name for layer in quantization_aware_layers(model)
-                       if any(math.isnan(v) for pair in layer.kerasdist_quantization_ranges().values() for v in pair))
+                       if not all(math.isfinite(v)
+                                  for pair in layer.kerasdist_quantization_ranges().values() for v in pair))
     if untrained:
         raise KerasdistError(
             f"export(format={format!r}): the quantization ranges of layers {untrained} were never learned (the model "
@@ -275,7 +388,10 @@ with np.load(folder + "/arrays.npz") as arrays:
 model = keras.saving.load_model(folder + "/model.keras", compile=False)
 kerasdist.export(model, job["filepath"], format=job["format"], **options)
 """
-_CLUSTER_VARIABLES = ("TF_CONFIG", "KERASDIST_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_", "XLA_FLAGS")
+_CLUSTER_VARIABLES = ("TF_CONFIG", "KERASDIST_", "HOROVOD_", "OMPI_", "PMI_", "SLURM_", "XLA_FLAGS", "TORCHELASTIC_")
+#: torchrun's (and kerasdist launch's) variables: the converting child is one process of no job
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                       "MASTER_ADDR", "MASTER_PORT")
 
 
 def convert_in_tensorflow(model, filepath, format, timeout=600, **options):
@@ -308,7 +424,8 @@ def convert_in_tensorflow(model, filepath, format, timeout=600, **options):
         with open(os.path.join(folder, "job.json"), "w") as f:
             json.dump({"filepath": os.path.abspath(os.fspath(filepath)), "format": format, "options": plain}, f)
         np.savez(os.path.join(folder, "arrays.npz"), **arrays)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_CLUSTER_VARIABLES)}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(_CLUSTER_VARIABLES) and k not in _TORCHRUN_VARIABLES}
         env.update(KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
         done = subprocess.run([sys.executable, "-c", _CHILD, folder], env=env, capture_output=True, text=True,
                               timeout=timeout)

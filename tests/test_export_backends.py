@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, child_env, python, run
@@ -80,3 +81,58 @@ def test_exporters_and_quantization_declare_every_backend():
                         ("litert-int8", "export"), ("quantize", "optimization"), ("tensorrt", "optimization")]:
         assert set(registry.get(name, kinds=(kinds,)).backends) == {"tensorflow", "jax", "torch"}, name
     assert kerasdist
+
+
+
+def _stand_in_job(monkeypatch, rank, answer=None):
+    """kerasdist.export sees a job of 2 processes (no process started): this process is ``rank``; the broadcast
+    records what it was given and returns it (rank 0) or ``answer`` (rank 0's outcome, in another rank)."""
+    from kerasdist import exporting
+
+    heard = []
+
+    def broadcast(value):
+        heard.append(value)
+        return value if rank == 0 else answer
+
+    monkeypatch.setattr(exporting, "_job_processes", lambda: exporting._Processes(rank, 2, broadcast, "stand-in ranks"))
+    return heard
+
+
+def _small_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+
+
+def test_export_called_in_every_rank_returns_rank_0s_result_or_error_in_the_others(monkeypatch, tmp_path):
+    """kerasdist.export in rank 1 of a job: it saves the model (a collective where weights are sharded), writes no
+    file, and returns rank 0's result, or raises rank 0's error naming it."""
+    import kerasdist
+    from kerasdist import exporting
+
+    model, path = _small_model(), str(tmp_path / "m.onnx")
+    sentinel = exporting.ExportResult(path, "onnx", 1)
+    _stand_in_job(monkeypatch, 1, ("ok", sentinel))
+    assert kerasdist.export(model, path, format="onnx") is sentinel and not os.path.exists(path)
+    _stand_in_job(monkeypatch, 1, ("error", "KerasdistError: the folder is gone"))
+    with pytest.raises(kerasdist.KerasdistError, match="rank 0, which writes .*m.onnx for every rank, failed: "
+                                                       "KerasdistError: the folder is gone"):
+        kerasdist.export(model, path, format="onnx")
+
+
+def test_export_called_in_every_rank_writes_in_rank_0_a_plain_copy(monkeypatch, tmp_path):
+    """Rank 0 of a job (stand-in): it exports a plain copy of the model and broadcasts its result, or its error."""
+    import kerasdist
+
+    if importlib.util.find_spec("tf2onnx") is None or importlib.util.find_spec("onnxruntime") is None:
+        pytest.skip("needs tf2onnx and onnxruntime (make test installs them)")
+    model, path = _small_model(), str(tmp_path / "m.onnx")
+    heard = _stand_in_job(monkeypatch, 0)
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    result = kerasdist.export(model, path, format="onnx", verify_with=x)
+    assert os.path.exists(path) and result.max_abs_diff <= 1e-6 and heard[-1] == ("ok", result)
+    with pytest.raises(kerasdist.KerasdistError, match="does not exist"):  # rank 0 raises its own error
+        kerasdist.export(model, str(tmp_path / "gone" / "m.onnx"), format="onnx")
+    assert heard[-1][0] == "error" and "does not exist" in heard[-1][1]

@@ -47,8 +47,9 @@ class QuantizationAware:
             if name in self._qat_ranges:
                 continue
             pair = tuple(self.add_weight(name=f"qat_{name}_{end}", shape=(), dtype="float32", trainable=False,
-                                         initializer=keras.initializers.Constant(float("nan")), autocast=False,
-                                         aggregation="only_first_replica") for end in ("min", "max"))
+                                         initializer=keras.initializers.Constant(unseen), autocast=False,
+                                         aggregation="only_first_replica")
+                         for end, unseen in zip(("min", "max"), unseen_range()))
             self._qat_ranges[name] = pair
 
     @property
@@ -62,7 +63,8 @@ class QuantizationAware:
         return dict(self._qat_ranges)
 
     def ranges(self):
-        """``{"input"|"pre"|"output": (min, max)}`` as floats (NaN before the first training step)."""
+        """``{"input"|"pre"|"output": (min, max)}`` as floats (not finite before the first training step: see
+        :func:`unseen_range`)."""
         import numpy as np
 
         return {name: tuple(float(np.asarray(v.numpy())) for v in pair) for name, pair in self._qat_ranges.items()}
@@ -122,6 +124,16 @@ class QuantizationAware:
         count, extra = self._qat_unsaved()
         for i, variable in enumerate(extra):
             variable.assign(store[str(count + i)])
+
+
+def unseen_range():
+    """The (min, max) a range holds before its first training batch: NaN, NaN; on JAX the empty range
+    (+inf, -inf). JAX checks that every process places the same value on a mesh of several processes
+    (``multihost_utils.assert_equal``, which NaN, unequal to itself, fails: ``compile`` with quantize() under
+    data_parallel over 2 processes raised it). Both are "not finite", which is what "unseen" is tested by."""
+    from kerasdist.plugin_tools import keras_backend
+
+    return (float("inf"), float("-inf")) if keras_backend() == "jax" else (float("nan"), float("nan"))
 
 
 def linear(layer, x, kernel):

@@ -93,11 +93,19 @@ def _across_replicas(value, reduce):
 
 
 def _across_torch_processes(value, reduce):
+    """data_parallel: each rank's min/max all-reduced (MIN/MAX) over the default group. fsdp: the batch is a
+    ``Shard(0)`` DTensor, so its min/max is already a pending reduction over the ranks (``Partial(min)``), which
+    ``full_tensor()`` completes (c10d's all_reduce refuses a DTensor)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    value = value.detach().clone()  # the ranges take no gradient on torch (see batch_range)
+    value = value.detach()  # the ranges take no gradient on torch (see batch_range)
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    value = value.clone()
     dist.all_reduce(value, op=dist.ReduceOp.MIN if reduce == "min" else dist.ReduceOp.MAX)
     return value
 
@@ -124,11 +132,11 @@ def batch_range(x, symmetric=False):
 
 def moving_average(variable, value, decay):
     """TFMOT's ``assign_moving_average(var, value, decay, zero_debias=False)``; a variable that has
-    seen no batch yet (it starts at NaN) takes the first batch's value."""
+    seen no batch yet (it starts not finite: NaN, or on JAX +-inf) takes the first batch's value."""
     from keras import ops
 
     old = ops.convert_to_tensor(variable)
-    new = ops.where(ops.isnan(old), value, old - (old - value) * (1.0 - decay))
+    new = ops.where(ops.isfinite(old), old - (old - value) * (1.0 - decay), value)
     variable.assign(new)
     return new
 
@@ -146,7 +154,7 @@ def fake_quant_activations(x, low_var, high_var, training, decay=EMA_DECAY, symm
         low, high = moving_average(low_var, batch_low, decay), moving_average(high_var, batch_high, decay)
     else:
         low, high = ops.convert_to_tensor(low_var), ops.convert_to_tensor(high_var)
-        seen = ops.logical_not(ops.isnan(high))
+        seen = ops.logical_and(ops.isfinite(low), ops.isfinite(high))
         low, high = ops.where(seen, low, -1.0), ops.where(seen, high, 1.0)  # not trained yet: see below
         quantized = _fake_quant(x, low, high, bits, symmetric)
         return ops.where(seen, quantized, x)  # evaluate before any training step: float
