@@ -18,6 +18,7 @@ compile.
 """
 
 import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any TensorFlow op
+from process_ranks import process_count, rank  # noqa: E402
 
 import json
 import os
@@ -106,13 +107,13 @@ def train(scenario, pretrained=None):
     info = {"loss": [float(v) for v in history.history["loss"]], "seconds": time.monotonic() - started,
             "trainable": [v.path.split("/", 1)[-1] for v in model.trainable_weights],
             "modes": {layer.name: layer.quantization_mode for layer in model.layers},
-            "lora": {layer.name: layer.lora_enabled for layer in model.layers}, "processes": _process_count()}
+            "lora": {layer.name: layer.lora_enabled for layer in model.layers}, "processes": process_count()}
     return weights, info
 
 
 def run(out, scenario, pretrained):
     weights, info = train(scenario, pretrained)
-    name = f"{out}-{scenario}-rank{_rank()}"
+    name = f"{out}-{scenario}-rank{rank()}"
     np.savez(name + ".npz", **weights)
     with open(name + ".json", "w") as f:
         json.dump(info, f)
@@ -148,25 +149,6 @@ def _whole(variable):
     return value
 
 
-def _process_count():
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.process_count()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _rank():
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.process_index()
-    if keras.backend.backend() == "tensorflow":
-        cluster = kerasdist.detect_cluster()
-        return 0 if cluster.is_local else cluster.task_index
-    return int(os.environ.get("RANK", "0"))
-
-
 def main(argv):
     """``OUT SCENARIO...`` (also torch_cases.py's entry)."""
     out, scenarios = argv[0], argv[1:]
@@ -178,7 +160,7 @@ def main(argv):
         except Exception as exc:  # noqa: BLE001  recorded for the scenario's own check
             failed += 1
             traceback.print_exc()
-            with open(f"{out}-{scenario}.error-rank{_rank()}.txt", "w") as f:
+            with open(f"{out}-{scenario}.error-rank{rank()}.txt", "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
         print(f"[scenario {scenario}] done", flush=True)
     return 1 if failed else 0

@@ -22,6 +22,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kerasdist  # noqa: E402
+from process_ranks import process_count, rank  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import qat_digits  # noqa: E402
@@ -105,27 +106,11 @@ def run(out, scenario):
     info = {"accuracy": numpy_accuracy(weights, x_test, y_test), "loss": history.history["loss"],
             "sparsity_log": history.history.get("sparsity"),
             "sparsity": pruning.sparsity(model) if state is not None else None,
-            "processes": _process_count(), "seconds": time.monotonic() - started}
-    name = f"{out}-{scenario}-rank{_rank()}"
+            "processes": process_count(), "seconds": time.monotonic() - started}
+    name = f"{out}-{scenario}-rank{rank()}"
     np.savez(name + ".npz", *weights, **{f"mask{i}": m for i, m in enumerate(masks)})
     with open(name + ".json", "w") as f:
         json.dump(info, f)
-
-
-def _process_count():
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.process_count()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _rank():
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.process_index()
-    return int(os.environ.get("RANK", "0"))
 
 
 def main(argv):
@@ -138,7 +123,7 @@ def main(argv):
         except Exception as exc:  # noqa: BLE001  recorded for the scenario's own check
             failed += 1
             traceback.print_exc()
-            with open(f"{out}-{scenario}.error-rank{_rank()}.txt", "w") as f:
+            with open(f"{out}-{scenario}.error-rank{rank()}.txt", "w") as f:
                 f.write(f"{type(exc).__name__}: {exc}")
         print(f"[scenario {scenario}] done", flush=True)
     return 1 if failed else 0
