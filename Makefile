@@ -46,9 +46,10 @@ demo: $(STAMP)
 	KERASDIST_CPU_REPLICAS=2 $(PY) examples/two_line.py
 
 # The suite runs on 2 pytest-xdist workers (this machine kind has 2 cores; most tests wait on child
-# processes), a test file to a worker so that a module's shared launch runs once. PYTEST_WORKERS=0: serial.
+# processes), a test file to a worker so that a module's shared launch runs once, in the order tests/conftest.py
+# gives (LONGEST_FIRST; xdist would otherwise start the files with the most tests first). PYTEST_WORKERS=0: serial.
 PYTEST_WORKERS ?= 2
-PYTEST_ARGS := -ra $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST_ARGS := -ra $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -38,7 +38,7 @@ def one_process(tmp_path_factory):
 def two_processes(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("two") / "steps.json")
     kerasdist_command = os.path.join(os.path.dirname(sys.executable), "kerasdist")
-    run([kerasdist_command, "launch", "-n", "2", WORKER, out], timeout=520, env=child_env(**ENV))
+    run([kerasdist_command, "launch", "-n", "2", WORKER, out], timeout=900, env=child_env(**ENV))
     return _results(out, 2)
 
 
@@ -85,7 +85,7 @@ def _check_users_distributions_and_writes(result):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(580)
+@pytest.mark.timeout(960)
 def test_custom_steps_tf_data_and_evaluate_over_2_processes_equal_one_device_and_every_rank(two_processes):
     """Before: tf.data was refused over several processes, and evaluate failed ("Arguments not recognized:
     {'shuffle': False}")."""

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np  # noqa: E402
 
 import qat_digits  # noqa: E402
+from process_ranks import rank as process_rank  # noqa: E402
 
 FOLDER = tempfile.mkdtemp(prefix="export-backends-")
 
@@ -114,22 +115,14 @@ CASES = {name[5:]: value for name, value in globals().items() if name.startswith
 
 # -- several processes: kerasdist launch -n 2 -- export_backends.py --ranks OUT WORD --------------------------------
 
-def _rank():
-    import keras
-
-    if keras.backend.backend() == "jax":
-        import jax
-
-        return jax.process_index()
-    return int(os.environ.get("RANK", "0"))
-
-
 def _strategy(word):
-    """one (no strategy), data_parallel, data_parallel_sync (torch: BatchNormalization over the global batch), fsdp."""
+    """one (no strategy), data_parallel, data_parallel_sync (torch: BatchNormalization over the global batch), fsdp,
+    hybrid (JAX: each kernel sharded over a "model" axis of every device)."""
     import kerasdist
 
     return {"one": None, "data_parallel": "data_parallel", "fsdp": "fsdp",
-            "data_parallel_sync": kerasdist.data_parallel(sync_batch_norm=True)}[word]
+            "data_parallel_sync": kerasdist.data_parallel(sync_batch_norm=True),
+            "hybrid": kerasdist.hybrid(mesh={"model": 2}) if word == "hybrid" else None}[word]
 
 
 def keras_accuracy(model, x, y):
@@ -162,7 +155,7 @@ def ranks(out, word):
     import kerasdist
 
     started = time.perf_counter()
-    rank = _rank()
+    rank = process_rank()
     x, y, x_test, y_test = qat_digits.digits()
     model = qat_digits.conv_net()
     strategy = _strategy(word)
@@ -219,7 +212,7 @@ def main():
             except Exception as exc:  # noqa: BLE001 (recorded for the test of that word; the next one runs)
                 failed += 1
                 traceback.print_exc()
-                with open(f"{out}-{word}.error-rank{_rank()}.txt", "w") as f:
+                with open(f"{out}-{word}.error-rank{process_rank()}.txt", "w") as f:
                     f.write(f"{type(exc).__name__}: {exc}")
         sys.exit(1 if failed else 0)
     out, names = sys.argv[1], sys.argv[2:] or list(CASES)
