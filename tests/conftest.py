@@ -115,6 +115,15 @@ EXTENDED_HERE = {
         "the equivalence matrix's multiworker row (the strategy-free step: every input kind, uneven batches) (78 s)",
     r"tests/test_tcp_ring\.py::test_sums_are_exact_and_identical_on_every_rank\[3\]":
         "the same sums over 2 ranks (24 s)",
+    r"tests/test_equivalence\.py::test_same_steps_weights_and_val_loss_as_plain_keras\[jax_processes-":
+        "the jax_data_parallel row (the same columns on 1 process x 2 devices), and test_no_tensorflow's launch of "
+        "2 JAX processes (137 s)",
+    r"tests/guides/test_guide_(horovod|parameter_server|tfmot)\.py::":
+        "the equivalence matrix's horovod row and test_horovod's suite; test_ps; test_pruning and test_qat (178 s)",
+    r"tests/test_multiworker\.py::test_(both_gradient_transports_equal_single_process_training\[tcp|worker_killed_in)":
+        "the TCP ring in test_tcp_ring and the overflow test; BackupAndRestore's resume in test_backup (84 s)",
+    r"tests/test_ps\.py::test_servers_exit_by_themselves_when_the_coordinator_is_killed":
+        "test_ps's two launches end their servers (20 s)",
 }
 
 
