@@ -124,6 +124,29 @@ EXTENDED_HERE = {
         "the TCP ring in test_tcp_ring and the overflow test; BackupAndRestore's resume in test_backup (84 s)",
     r"tests/test_ps\.py::test_servers_exit_by_themselves_when_the_coordinator_is_killed":
         "test_ps's two launches end their servers (20 s)",
+    r"tests/test_fuzz\.py::test_a_drawn_job_trains_as_one_process_or_is_refused\[(tf_multiworker|jax_local)-":
+        "the short tier's TF in-process and torch groups; the matrix's multiworker and JAX rows (80 s)",
+    r"tests/test_mirrored\.py::test_(a_py_dataset_trains_in_one_processs_shuffled_order|tutorial_flow_callbacks)":
+        "the matrix's mirrored / input_py_dataset cell; test_save_load_word and test_backup (96 s)",
+    r"tests/test_multiworker_strategy_free\.py::test_a_loss_scale_overflow_on_one_worker_is_skipped":
+        "the same overflow in test_equivalence over the TCP ring (30 s)",
+    r"tests/test_multiworker\.py::test_both_gradient_transports_equal_single_process_training\[ring":
+        "MultiWorkerMirroredStrategy's step: a non-default path (sync_batch_norm=True or KERASDIST_STRATEGY_FREE=off) "
+        "(42 s)",
+    r"tests/test_horovod\.py::test_failures_end_the_job_fast\[crash":
+        "a crashing rank ends multiworker and torch jobs in their suites (30 s)",
+    r"tests/test_qat\.py::test_(qat_on_digits_stays_within_half_a_point|multiworker_qat_equals_one_process)":
+        "the mirrored QAT test and test_export_backends' QAT exports (76 s)",
+    r"tests/test_keras_nightly_gate\.py::":
+        "make test-keras-nightly runs the whole suite on the next Keras (54 s)",
+    r"tests/test_transport_probe\.py::test_auto_probes_both_transports":
+        "the probe's choice and settings in the file's other tests (40 s)",
+    r"tests/test_horovod_elastic\.py::":
+        "horovod's suite launch; elastic runs add, remove and kill workers (47 s)",
+    r"tests/guides/test_guide_multi_worker\.py::":
+        "the matrix's multiworker row and test_multiworker's launches (120 s)",
+    r"tests/test_torch_sharding\.py::test_fsdp_holds_at_most_055x":
+        "fsdp's training and checkpoints in the file's other tests and the fuzzer's torch group (48 s)",
 }
 
 
