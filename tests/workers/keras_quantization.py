@@ -18,13 +18,12 @@ compile.
 """
 
 import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any TensorFlow op
-from process_ranks import process_count, rank  # noqa: E402
+from process_ranks import process_count, rank, run_scenarios  # noqa: E402
 
 import json
 import os
 import sys
 import time
-import traceback
 
 import keras
 import numpy as np
@@ -153,17 +152,7 @@ def main(argv):
     """``OUT SCENARIO...`` (also torch_cases.py's entry)."""
     out, scenarios = argv[0], argv[1:]
     pretrained = pretrained_weights() if any("lora" in s for s in scenarios) else None
-    failed = 0
-    for scenario in scenarios:
-        try:
-            run(out, scenario, pretrained)
-        except Exception as exc:  # noqa: BLE001  recorded for the scenario's own check
-            failed += 1
-            traceback.print_exc()
-            with open(f"{out}-{scenario}.error-rank{rank()}.txt", "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}")
-        print(f"[scenario {scenario}] done", flush=True)
-    return 1 if failed else 0
+    return run_scenarios(out, scenarios, lambda scenario: run(out, scenario, pretrained))
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ import json
 import os
 import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kerasdist  # noqa: E402
-from process_ranks import process_count, rank  # noqa: E402
+from process_ranks import process_count, rank, run_scenarios  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import qat_digits  # noqa: E402
@@ -116,17 +115,7 @@ def run(out, scenario):
 def main(argv):
     """``OUT SCENARIO...`` (also torch_cases.py's entry)."""
     out, scenarios = argv[0], argv[1:]
-    failed = 0
-    for scenario in scenarios:
-        try:
-            run(out, scenario)
-        except Exception as exc:  # noqa: BLE001  recorded for the scenario's own check
-            failed += 1
-            traceback.print_exc()
-            with open(f"{out}-{scenario}.error-rank{rank()}.txt", "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}")
-        print(f"[scenario {scenario}] done", flush=True)
-    return 1 if failed else 0
+    return run_scenarios(out, scenarios, lambda scenario: run(out, scenario))
 
 
 if __name__ == "__main__":
