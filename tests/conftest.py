@@ -145,6 +145,8 @@ EXTENDED_HERE = {
         "horovod's suite launch; elastic runs add, remove and kill workers (47 s)",
     r"tests/guides/test_guide_multi_worker\.py::":
         "the matrix's multiworker row and test_multiworker's launches (120 s)",
+    r"tests/test_torch\.py::test_torchrun_trains_every_keras_io_custom_step":
+        "every keras.io custom step under kerasdist launch; two of them and the default model under torchrun (20 s)",
     r"tests/test_torch_sharding\.py::test_fsdp_holds_at_most_055x":
         "fsdp's training and checkpoints in the file's other tests and the fuzzer's torch group (48 s)",
 }

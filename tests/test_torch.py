@@ -154,14 +154,27 @@ def test_a_model_built_after_fit_starts_from_one_processs_weights(two_ranks, one
     assert np.array_equal(rank0["later_init"], _scenario(one_process, "built", [0])[0]["later_init"])
 
 
+#: the torchrun test's keras.io custom steps in `make test` (all of GUIDES run under the shared launch; the extended
+#: tier runs all of them under torchrun too)
+TORCHRUN_GUIDES = ("guide_first", "guide_sync_bn_empty_share")
+
+
 def test_torchrun_two_ranks_train_like_one_process(tmp_path, one_process):
     """The default model and keras.io's custom steps, under torchrun (one start-up for all)."""
-    runs = _run_scenarios(tmp_path, {name: SCENARIOS[name] for name in ("built", *GUIDES)},
+    _torchrun(tmp_path, one_process, TORCHRUN_GUIDES)
+
+
+def test_torchrun_trains_every_keras_io_custom_step_like_one_process(tmp_path, one_process):
+    _torchrun(tmp_path, one_process, [name for name in GUIDES if name not in TORCHRUN_GUIDES])
+
+
+def _torchrun(out, one_process, guides):
+    runs = _run_scenarios(out, {name: SCENARIOS[name] for name in ("built", *guides)},
                           [TORCHRUN, "--standalone", "--nproc-per-node", "2"])
     _assert_like_one_process(_scenario(runs, "built"), _scenario(one_process, "built", [0])[0], atol=1e-5)
-    for name in GUIDES:
+    for name in guides:
         _assert_guide_step(runs, one_process, name)
-    _no_process_left(str(tmp_path))
+    _no_process_left(str(out))
 
 
 def _assert_guide_step(runs, one_process, name):
