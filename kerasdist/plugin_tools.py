@@ -39,6 +39,8 @@ from .devices import canonical_devices, check_device_names, check_devices_exist,
 from .errors import ClusterConfigError, KerasdistError, did_you_mean
 from .process_group import gather_across_processes, process_group_size, set_process_group
 from .agreement import check_agreement
+from .chief_writes import redirect_writes, restore_writes, writes_files
+from .replicas_in_one_process import mirrored_replicas_as_one_device, replicas_train_as_one_device
 from .same_state import (data_loader_draws_alike, digest_pieces, int_pieces, python_random_same_everywhere,
                          same_everywhere, sum_by_all_gather)
 from .step_checks import note_applied, start_first_step_check, unsummed_after_first_step, unsummed_updates_error
@@ -55,6 +57,8 @@ __all__ = [
     "data_loader_draws_alike",
     # do the ranks start the same fit/evaluate? (one fingerprint per call and epoch, one tiny collective)
     "check_agreement",
+    # which callbacks write files (Keras's, KerasTuner's): the chief writes, the others drop or redirect them
+    "writes_files", "redirect_writes", "restore_writes",
     "in_shared_order", "keras_shuffles_by_epoch",
     "check_devices_exist", "check_device_names", "canonical_devices", "keras_backend",
     # process-wide state (one home, one reset): process_state.slot / on_reset / reset
@@ -72,7 +76,7 @@ __all__ = [
     "layers_by_name",
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
     "assign_state_from_first_replica", "update_loss_scale_once_per_step", "replicas_train_as_one_device",
-    "read_py_datasets_in_one_processs_order",
+    "mirrored_replicas_as_one_device", "read_py_datasets_in_one_processs_order",
     # the PyTorch backend
     "keras_wraps_ddp", "keep_keras_from_wrapping_ddp", "local_metrics_result", "keras_step_order_is_known",
     "mean_state", "compiled_metrics", "synchronize_torch_batch_norm",
@@ -214,31 +218,6 @@ def first_array(value):
     while isinstance(value, (dict, list, tuple)) and value:
         value = next(iter(value.values())) if isinstance(value, dict) else value[0]
     return value
-
-
-def replicas_train_as_one_device(compile_kwargs, model, strategy, sync_batch_norm=False):
-    """What makes a tf.distribute strategy's replicas train as one device on the global batch: uneven
-    batches weighted by each replica's share, Keras's gradient accumulation decided across replicas,
-    (``sync_batch_norm``) batch statistics of the whole batch, and, for the replicas of one process
-    (MirroredStrategy, CentralStorageStrategy) under mixed_float16, a step skipped when any replica's
-    gradients overflow (the optimizer is wrapped in its LossScaleOptimizer here, as Keras's compile would;
-    multi-worker transports sum the gradients before the check instead). Call from ``kerasdist_adjust_compile`` with its ``compile_kwargs``."""
-    import keras
-    import tensorflow as tf
-
-    in_one_process = isinstance(strategy, (tf.distribute.MirroredStrategy,
-                                           tf.distribute.experimental.CentralStorageStrategy))
-    if in_one_process and keras.mixed_precision.global_policy().name == "mixed_float16":
-        optimizer = compile_kwargs["optimizer"]
-        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        update_loss_scale_once_per_step(optimizer)
-        compile_kwargs["optimizer"] = optimizer
-    weight_replicas_by_batch_share(model, compile_kwargs["optimizer"], strategy)
-    accumulate_across_replicas(compile_kwargs["optimizer"], strategy)
-    clip_summed_gradients(compile_kwargs["optimizer"])
-    if sync_batch_norm:
-        synchronize_batch_norm(model)
 
 
 def read_py_datasets_in_one_processs_order(method, call_kwargs, word):

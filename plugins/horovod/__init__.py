@@ -209,17 +209,18 @@ def kerasdist_adjust_call(method, call_kwargs, model, spec):
 
         reduce_before_loss_scaling(model.optimizer)
     callbacks = call_kwargs["callbacks"]
+    # first, before any collective of the call; evaluate without average_metrics makes none: a rank may call it alone
+    if (size > 1 and (method == "fit" or (method == "evaluate" and spec.average_metrics))
+            and not _elastic(callbacks)):
+        from kerasdist.plugin_tools import check_agreement
+
+        check_agreement(method, model, call_kwargs, rank=rank, size=size, sum_arrays=_sum_arrays(hvd),
+                        word="horovod")  # before rank 0's writers are dropped: a tuner's trial is read from them
     if rank != 0:
         call_kwargs["verbose"] = 0
         callbacks[:] = [c for c in callbacks if not chief_only(c)]
     if size == 1:
         return
-    # first, before any collective of the call; evaluate without average_metrics makes none: a rank may call it alone
-    if (method == "fit" or (method == "evaluate" and spec.average_metrics)) and not _elastic(callbacks):
-        from kerasdist.plugin_tools import check_agreement
-
-        check_agreement(method, model, call_kwargs, rank=rank, size=size, sum_arrays=_sum_arrays(hvd),
-                        word="horovod")
     if spec.shard and not spec.batch_size_per_worker and method in ("fit", "evaluate"):
         _same_loader_order(hvd, call_kwargs)
     if spec.shard and method in ("fit", "evaluate"):

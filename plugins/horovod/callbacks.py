@@ -3,16 +3,14 @@
 import numbers
 
 import kerasdist
-from kerasdist.plugin_tools import unique_variables
+from kerasdist.plugin_tools import unique_variables, writes_files
 
 from .metric_sums import combine_over_ranks
 
-_CHIEF_ONLY_CALLBACKS = ("ModelCheckpoint", "TensorBoard", "CSVLogger", "ProgbarLogger")
-
-
 def chief_only(callback):
-    return any(cls.__name__ in _CHIEF_ONLY_CALLBACKS and cls.__module__.startswith("keras")
-               for cls in type(callback).__mro__)
+    """A callback that writes files (``plugin_tools.writes_files``) or prints Keras's progress bar."""
+    return writes_files(callback) or any(cls.__name__ == "ProgbarLogger" and cls.__module__.startswith("keras.")
+                                         for cls in type(callback).__mro__)
 
 
 

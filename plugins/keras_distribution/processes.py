@@ -9,11 +9,10 @@ import numpy as np
 
 from kerasdist import ClusterConfigError, KerasdistError
 
-#: Callbacks that write files, with the attribute naming where: every process runs them (a save inside fit
-#: enters cross-process collectives: Keras's reference Optimizer's variables are placed on the mesh with
-#: ``jax.device_put``, a sharded variable is gathered), process 0 into the user's path, the others into their
-#: private scratch folder, removed at exit (TensorFlow's MultiWorkerMirroredStrategy convention).
-WRITING_CALLBACKS = {"ModelCheckpoint": "filepath", "TensorBoard": "log_dir", "CSVLogger": "filename"}
+# Callbacks that write files (plugin_tools.writes_files) run in every process (a save inside fit enters
+# cross-process collectives: Keras's reference Optimizer's variables are placed on the mesh with ``jax.device_put``,
+# a sharded variable is gathered), process 0 into the user's path, the others into their private scratch folder,
+# removed at exit (TensorFlow's MultiWorkerMirroredStrategy convention).
 
 
 def is_process_cluster(cluster):
@@ -151,25 +150,20 @@ def chief_writes(method, call_kwargs):
         return
     import keras
 
-    from kerasdist.plugin_tools import make_chief_aware_backup, private_backups
+    from kerasdist.plugin_tools import make_chief_aware_backup, private_backups, redirect_writes, restore_writes
 
     scratch = private_backups.scratch_dir()
-    callbacks, redirected = call_kwargs["callbacks"], []
+    callbacks = call_kwargs["callbacks"]
     for position, callback in enumerate(callbacks):
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             callbacks[position] = make_chief_aware_backup(
                 callback.backup_dir, os.path.join(scratch, "backup"), save_freq=callback.save_freq,
                 double_checkpoint=callback.double_checkpoint, delete_checkpoint=callback.delete_checkpoint)
-        attribute = WRITING_CALLBACKS.get(type(callback).__name__)
-        if attribute is not None:
-            path = getattr(callback, attribute)
-            redirected.append((callback, attribute, path))
-            setattr(callback, attribute, os.path.join(scratch, os.path.basename(os.path.normpath(str(path)))))
+    redirected = redirect_writes(callbacks, scratch)
     try:
         yield
     finally:
-        for callback, attribute, path in redirected:
-            setattr(callback, attribute, path)
+        restore_writes(redirected)
     _wait_for_every_process()
 
 

@@ -277,6 +277,8 @@ def _chief_writes(method, call_kwargs, model, spec, strategy, index):
     chief = bool(strategy.extended.should_checkpoint)
     if method == "fit" and spec.backup:
         backup.add_backup(call_kwargs, spec, model, strategy, index, chief, private_backups.scratch_dir())
+    if method == "fit" and state.ring:  # a next trial of a tuner may read the chief's checkpoint at once
+        call_kwargs["callbacks"].append(workers.ChiefFilesWritten(state.ring))
     if not chief:
         if call_kwargs.get("verbose", "auto") != 0:
             call_kwargs["verbose"] = 0

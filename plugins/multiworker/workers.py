@@ -5,25 +5,16 @@ import os
 import shutil
 
 import keras
+import numpy as np
 
-from kerasdist.plugin_tools import arrays_as_dataset
-
-
-#: Callback attributes naming where a callback writes; non-chief workers write under scratch.
-_WRITE_ATTRIBUTES = (("ModelCheckpoint", "filepath"), ("TensorBoard", "log_dir"), ("CSVLogger", "filename"))
+from kerasdist.plugin_tools import arrays_as_dataset, restore_writes
+from kerasdist.plugin_tools import redirect_writes as _redirect
 
 
 def redirect_writes(call_kwargs, scratch):
-    changed = []
-    for number, callback in enumerate(call_kwargs["callbacks"]):
-        for class_name, attribute in _WRITE_ATTRIBUTES:
-            if isinstance(callback, getattr(keras.callbacks, class_name)):
-                original = getattr(callback, attribute)
-                parent = os.path.join(scratch, f"{number}-{class_name}")
-                os.makedirs(parent, exist_ok=True)
-                target = os.path.join(parent, os.path.basename(str(original).rstrip("/\\")))
-                setattr(callback, attribute, target)
-                changed.append((callback, attribute, original))
+    """A non-chief worker's writing callbacks write under scratch (their paths given back, their files dropped, at
+    the end of fit)."""
+    changed = _redirect(call_kwargs["callbacks"], scratch)
     if changed:
         call_kwargs["callbacks"].append(_RestoreWrites(changed, scratch))
 
@@ -36,11 +27,22 @@ class _RestoreWrites(keras.callbacks.Callback):
         self.changed, self.scratch = changed, scratch
 
     def on_train_end(self, logs=None):
-        for callback, attribute, original in self.changed:
-            setattr(callback, attribute, original)
+        restore_writes(self.changed)
         for name in os.listdir(self.scratch):
             if name != "backup":
                 shutil.rmtree(os.path.join(self.scratch, name), ignore_errors=True)
+
+
+class ChiefFilesWritten(keras.callbacks.Callback):
+    """Last callback of every worker's fit: fit returns once the chief's callbacks have written their files (one
+    tiny all-reduce over the ring)."""
+
+    def __init__(self, ring):
+        super().__init__()
+        self.ring = ring
+
+    def on_train_end(self, logs=None):
+        self.ring.sum_arrays(np.zeros(1))
 
 
 def shuffle_arrays_alike(call_kwargs, seed, keras_order=False):

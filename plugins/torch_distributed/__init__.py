@@ -13,6 +13,7 @@ kerasdist's already summed states again. A model is never reduced twice.
 """
 
 import dataclasses
+import weakref
 from typing import Optional
 
 import kerasdist
@@ -110,10 +111,8 @@ def kerasdist_prepare_model(model, strategy, spec):
             f"distribute={NAME!r} and keras.distribution.set_distribution({type(keras.distribution.distribution()).__name__}"
             "(...)) were both given; on torch kerasdist distributes the model itself: remove the "
             "set_distribution call (or pass that distribution as distribute= on JAX).")
-    if strategy.world_size > 1 and model.built:
-        from . import training
-
-        training.broadcast_from_rank0(model.variables)
+    if strategy.world_size > 1:  # rank 0's values reach every rank at the next call, after its agreement check:
+        _FROM_RANK0.add(model)     # a collective here would pair with another rank's call (a tuner's next trial)
 
 
 @kerasdist.hookimpl
@@ -149,6 +148,10 @@ def _loss_reductions(loss):
             if item is not None}
 
 
+#: models compiled since their last call: every rank takes rank 0's values at the start of the next one
+_FROM_RANK0 = weakref.WeakSet()
+
+
 # -- fit / evaluate / predict -----------------------------------------------------------------
 
 @kerasdist.hookimpl
@@ -157,14 +160,15 @@ def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
         return
     from . import callbacks, data
 
+    if strategy.world_size > 1 and method != "predict":  # before rank 0's writers are dropped (a tuner's trial)
+        from kerasdist.plugin_tools import check_agreement
+
+        from .keras_order import _sum_arrays
+        check_agreement(method, model, call_kwargs, rank=strategy.rank, size=strategy.world_size,
+                        sum_arrays=_sum_arrays, word=getattr(spec, "name", NAME))
     callbacks.only_rank0_writes(call_kwargs, strategy.rank)
     if strategy.world_size < 2 or method == "predict":
         return
-    from kerasdist.plugin_tools import check_agreement
-
-    from .keras_order import _sum_arrays
-    check_agreement(method, model, call_kwargs, rank=strategy.rank, size=strategy.world_size, sum_arrays=_sum_arrays,
-                    word=getattr(spec, "name", NAME))
     if method == "fit":
         callbacks.add_backup(call_kwargs, spec, model, strategy)
     name = f"{NAME} (torch)"
@@ -199,6 +203,7 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
     from . import predicting, training
 
     if method == "predict":
+        _rank0_values_since_compile(model, training)
         return predicting.predict(call, call_kwargs, strategy.rank, strategy.world_size)
     if not model.built:  # built anywhere, or not yet: built here from a batch, then rank 0's values everywhere
         from kerasdist.plugin_tools import symbolic_build
@@ -210,6 +215,17 @@ def kerasdist_run_call(method, call, call_kwargs, model, strategy, spec):
             symbolic_build(model, x.build_batch())
     training.install(model)
     if method == "fit" and model.built:
+        _FROM_RANK0.discard(model)
         training.broadcast_from_rank0(list(model.variables)  # every optimizer's state (a GAN's two) too
                                       + [v for o in optimizers_held_by(model) for v in o.variables])
-    return call(**call_kwargs)
+    _rank0_values_since_compile(model, training)
+    result = call(**call_kwargs)
+    if method == "fit":  # fit returns once rank 0's callbacks wrote their files (a next trial may read them)
+        training.barrier()
+    return result
+
+
+def _rank0_values_since_compile(model, training):
+    if model in _FROM_RANK0 and model.built:
+        training.broadcast_from_rank0(model.variables)
+    _FROM_RANK0.discard(model)

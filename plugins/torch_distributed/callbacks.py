@@ -1,4 +1,5 @@
-"""Only rank 0 writes: the other ranks drop ModelCheckpoint, TensorBoard and CSVLogger (every rank holds the
+"""Only rank 0 writes: the other ranks drop ModelCheckpoint, TensorBoard, CSVLogger and KerasTuner's SaveBestEpoch
+(``plugin_tools.writes_files``; every rank holds the
 same weights and logs the same all-reduced metrics) and print nothing. BackupAndRestore: kerasdist's private,
 identity-checked backup (``plugin_tools.private_backups``, as multiworker's): rank 0 writes it, the others
 restore from it and write to a scratch folder; a relaunched job resumes from it."""
@@ -6,15 +7,14 @@ restore from it and write to a scratch folder; a relaunched job resumes from it.
 import keras
 
 from kerasdist import KerasdistError
-from kerasdist.plugin_tools import private_backups
+from kerasdist.plugin_tools import private_backups, writes_files
 
-WRITING_CALLBACKS = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard, keras.callbacks.CSVLogger)
 
 def only_rank0_writes(call_kwargs, rank):
     if rank == 0:
         return
     call_kwargs["verbose"] = 0
-    call_kwargs["callbacks"][:] = [cb for cb in call_kwargs["callbacks"] if not isinstance(cb, WRITING_CALLBACKS)]
+    call_kwargs["callbacks"][:] = [cb for cb in call_kwargs["callbacks"] if not writes_files(cb)]
 
 
 def add_backup(call_kwargs, spec, model, strategy):
@@ -79,9 +79,11 @@ def fsdp_callbacks(call_kwargs, rank, gathered):
                 "fsdp: keras.callbacks.BackupAndRestore is not supported (it would restore full weights into "
                 "sharded variables); use distribute=\"data_parallel\" for BackupAndRestore, or under fsdp a "
                 "ModelCheckpoint (it saves the full weights) and model.load_weights before compile to resume.")
-    reading = (keras.callbacks.ModelCheckpoint, keras.callbacks.TensorBoard)
-    call_kwargs["callbacks"][:] = [GatheredForRank0(cb, rank, gathered) if isinstance(cb, reading) else cb
+    def reading(callback):  # a writer that reads the weights (ModelCheckpoint, TensorBoard, SaveBestEpoch)
+        return writes_files(callback) and not isinstance(callback, keras.callbacks.CSVLogger)
+
+    call_kwargs["callbacks"][:] = [GatheredForRank0(cb, rank, gathered) if reading(cb) else cb
                                    for cb in call_kwargs["callbacks"]
-                                   if rank == 0 or not isinstance(cb, WRITING_CALLBACKS) or isinstance(cb, reading)]
+                                   if rank == 0 or not writes_files(cb) or reading(cb)]
     if rank:
         call_kwargs["verbose"] = 0

@@ -65,6 +65,12 @@ def broadcast_from_rank0(variables):
             variable.assign(value)
 
 
+def barrier():
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
 def is_placeholder(data):
     import torch
 
