@@ -85,13 +85,9 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Uneven global batches and gradient accumulation train as on one device."""
     spec = _as_mirrored(spec)
     if spec is not None:
-        from kerasdist.plugin_tools import custom_steps_train_as_one_device, replicas_train_as_one_device
+        from kerasdist.plugin_tools import mirrored_replicas_as_one_device
 
-        _no_xla_on_cpu_replicas(compile_kwargs, strategy)
-        replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
-        custom_steps_train_as_one_device(model, compile_kwargs, "mirrored")
-        _predict_on_empty_replicas(model)
-        _evaluate_on_empty_replicas(model)
+        mirrored_replicas_as_one_device(compile_kwargs, model, strategy, "mirrored", spec.sync_batch_norm)
 
 
 def _as_mirrored(spec):
@@ -107,24 +103,6 @@ def _as_mirrored(spec):
     return None
 
 
-def _no_xla_on_cpu_replicas(compile_kwargs, strategy):
-    """XLA compiles every replica's step for the first CPU, which cannot reach the other CPU replicas' variables
-    (TensorFlow's raw "resource .../replica_1 located in device CPU:1 from device CPU:0" at the first step, stock
-    MirroredStrategy too): jit_compile=True is refused here, "auto" (Keras's default) resolves to no XLA."""
-    cpus = [d for d in strategy.extended.worker_devices if "CPU" in d.upper()]
-    if len(cpus) < 2:
-        return
-    jit_compile = compile_kwargs.get("jit_compile", "auto")
-    if jit_compile is True:
-        raise kerasdist.KerasdistError(
-            f"distribute='mirrored' on CPU replicas cannot train with jit_compile=True: TensorFlow's XLA compiles "
-            f"every replica's step for the first CPU, which cannot reach the other replicas' variables ({cpus}). "
-            "Pass jit_compile=False or 'auto' (Keras's default, no XLA on CPUs), or use "
-            "distribute=\"central_storage\" (its variables live on one device: XLA trains there).")
-    if jit_compile == "auto":
-        compile_kwargs["jit_compile"] = False
-
-
 @kerasdist.hookimpl
 def kerasdist_adjust_call(method, call_kwargs, spec):
     """A keras.utils.PyDataset is read in one process's batch order (or refused where it cannot be)."""
@@ -132,63 +110,3 @@ def kerasdist_adjust_call(method, call_kwargs, spec):
         from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
 
         read_py_datasets_in_one_processs_order(method, call_kwargs, "mirrored")
-
-
-def _predict_on_empty_replicas(model):
-    """A replica given no rows (``predict`` on fewer rows than replicas) predicts one row of zeros and returns none
-    of it: TensorFlow's oneDNN convolution gives an empty batch the input's shape, so the next layer fails
-    ("Incompatible shapes: [32] vs. [0,64,64,3]", stock MirroredStrategy too; fine with TF_ENABLE_ONEDNN_OPTS=0).
-    Rows never mix in inference, so the others' outputs are one device's. Inputs other than dense tensors go to
-    the model's own step; a model with its own ``predict_step`` keeps it (its outputs need not be rows). Idempotent."""
-    import keras
-    import tensorflow as tf
-
-    step = model.predict_step
-    if (getattr(step, "_kerasdist_empty_replicas", False) or "predict_step" in vars(model)
-            or type(model).predict_step is not keras.Model.predict_step):
-        return
-
-    def at_least_one_row(tensor, rows):
-        one_row = tf.zeros(tf.concat([[1], tf.shape(tensor)[1:]], 0), tensor.dtype)
-        padded = tf.cond(rows > 0, lambda: tensor, lambda: one_row)
-        padded.set_shape(tf.TensorShape([None]).concatenate(tensor.shape[1:]))
-        return padded
-
-    def predict_step(data):
-        leaves = [leaf for leaf in keras.tree.flatten(data) if leaf is not None]
-        if (not leaves or not all(isinstance(leaf, tf.Tensor) and leaf.shape.rank for leaf in leaves)
-                or tf.distribute.get_replica_context() is None):
-            return step(data)
-        rows = tf.shape(leaves[0])[0]
-        outputs = step(keras.tree.map_structure(lambda t: t if t is None else at_least_one_row(t, rows), data))
-        return keras.tree.map_structure(  # only the replica given no rows drops its row of zeros
-            lambda t: tf.cond(rows > 0, lambda: t, lambda: t[:0]) if isinstance(t, tf.Tensor) and t.shape.rank else t,
-            outputs)
-
-    predict_step._kerasdist_empty_replicas = True
-    model.predict_step = predict_step
-
-
-def _evaluate_on_empty_replicas(model):
-    """A replica given no rows skips Keras's own ``test_step`` (the convolution of
-    :func:`_predict_on_empty_replicas`) and returns its metrics unchanged, as the step on no rows would. A model
-    with its own ``test_step`` or ``compute_metrics`` keeps it. Idempotent."""
-    import keras
-    import tensorflow as tf
-
-    step = model.test_step
-    own = vars(model)
-    if (getattr(step, "_kerasdist_empty_replicas", False) or "test_step" in own or "compute_metrics" in own
-            or type(model).test_step is not keras.Model.test_step
-            or type(model).compute_metrics is not keras.Model.compute_metrics):
-        return
-
-    def test_step(data):
-        leaves = [leaf for leaf in keras.tree.flatten(data) if leaf is not None]
-        if (not leaves or not all(isinstance(leaf, tf.Tensor) and leaf.shape.rank for leaf in leaves)
-                or tf.distribute.get_replica_context() is None):
-            return step(data)
-        return tf.cond(tf.shape(leaves[0])[0] > 0, lambda: step(data), model.get_metrics_result)
-
-    test_step._kerasdist_empty_replicas = True
-    model.test_step = test_step

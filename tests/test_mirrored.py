@@ -388,11 +388,12 @@ def test_a_generator_as_validation_data_is_refused_naming_the_inputs_that_work()
 
 
 
-def test_jit_compile_on_cpu_replicas_is_refused_at_compile_and_auto_trains_without_xla():
+@pytest.mark.parametrize("word", ["mirrored", "data_parallel"])
+def test_jit_compile_on_cpu_replicas_is_refused_at_compile_and_auto_trains_without_xla(word):
     """KerasHub getting-started's custom model (an Embedding first) with jit_compile=True died at the first step
     with TensorFlow's raw "resource .../replica_1 located in device CPU:1 from device CPU:0" (stock
     MirroredStrategy too): XLA compiles every replica's step for the first CPU. central_storage trains it
-    (tests/test_central_storage.py)."""
+    (tests/test_central_storage.py). TensorFlow's data_parallel is a MirroredStrategy too (before: the raw error)."""
     x = np.random.default_rng(0).integers(0, 20, size=(16, 5))
     y = np.zeros((16, 1), "float32")
 
@@ -402,11 +403,11 @@ def test_jit_compile_on_cpu_replicas_is_refused_at_compile_and_auto_trains_witho
                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
 
     refused = model()
-    with pytest.raises(kerasdist.KerasdistError, match=r"distribute='mirrored' on CPU replicas cannot train with "
+    with pytest.raises(kerasdist.KerasdistError, match=rf"distribute='{word}' on CPU replicas cannot train with "
                                                        r"jit_compile=True.*jit_compile=False or 'auto'"):
-        refused.compile(optimizer="sgd", loss="mse", jit_compile=True, distribute="mirrored")
+        refused.compile(optimizer="sgd", loss="mse", jit_compile=True, distribute=word)
     auto = model()
-    auto.compile(optimizer="sgd", loss="mse", jit_compile="auto", distribute="mirrored")
+    auto.compile(optimizer="sgd", loss="mse", jit_compile="auto", distribute=word)
     auto.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert auto.jit_compile is False
 

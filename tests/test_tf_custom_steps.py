@@ -192,7 +192,7 @@ def one_process():
     return {name: _fit(name, None) for name in CASES}
 
 
-@pytest.mark.parametrize("word", ["mirrored", "central_storage"])
+@pytest.mark.parametrize("word", ["mirrored", "central_storage", "data_parallel"])
 @pytest.mark.parametrize("name", CASES)
 def test_a_custom_train_step_trains_and_logs_as_one_process(one_process, name, word):
     single, single_history, single_batches = one_process[name]

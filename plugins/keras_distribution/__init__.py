@@ -231,10 +231,10 @@ def kerasdist_prepare_model(model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
-    if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":
-        from kerasdist.plugin_tools import replicas_train_as_one_device
+    if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":  # a MirroredStrategy: as "mirrored"
+        from kerasdist.plugin_tools import mirrored_replicas_as_one_device
 
-        replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
+        mirrored_replicas_as_one_device(compile_kwargs, model, strategy, "data_parallel", spec.sync_batch_norm)
     elif own_spec(spec, strategy, model) is not None:  # metric objects made before compile hold their variables
         import keras
 
@@ -245,6 +245,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
 @kerasdist.hookimpl
 def kerasdist_adjust_call(method, call_kwargs, model, strategy, spec):
+    if isinstance(spec, DataParallel) and keras_backend() == "tensorflow":  # a MirroredStrategy, as "mirrored"
+        from kerasdist.plugin_tools import read_py_datasets_in_one_processs_order
+
+        read_py_datasets_in_one_processs_order(method, call_kwargs, "data_parallel")
     spec = own_spec(spec, strategy, model)
     if spec is None:
         return
