@@ -34,11 +34,12 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) $(NIGHTLY_LOCK) $(UV_PIN) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
 	bash .ci/system_packages.sh
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	$(PY) .ci/check_lock.py --platform-only $(LOCK_PYTHON)
 	$(INSTALL_UV) || echo "uv could not be installed: pip installs the lock (slower)" >&2
 	for lock in $(LOCK) $(NO_DEPS_LOCK); do \
-	    { test -x $(UV) && $(UV_INSTALL) -r $$lock; } || $(PIP) install --require-hashes --no-deps $(FIND_LINKS) -r $$lock || exit 1; \
+	    { test -x $(UV) && $(UV_INSTALL) -r $$lock; } || { $(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip -q; \
+	        $(PIP) install --require-hashes --no-deps $(FIND_LINKS) -r $$lock; } || exit 1; \
 	done
 	$(PIP) install --no-deps --no-build-isolation -e .
 	rm -rf $(VENV)/keras-nightly

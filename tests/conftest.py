@@ -145,6 +145,18 @@ EXTENDED_HERE = {
         "horovod's suite launch; elastic runs add, remove and kill workers (47 s)",
     r"tests/guides/test_guide_multi_worker\.py::":
         "the matrix's multiworker row and test_multiworker's launches (120 s)",
+    r"tests/test_equivalence\.py::test_same_steps_weights_and_val_loss_as_plain_keras\[central_storage-":
+        "the mirrored row (the same replicas_train_as_one_device in one process) and test_central_storage (61 s)",
+    r"tests/test_equivalence\.py::test_same_steps_weights_and_val_loss_as_plain_keras\[horovod-":
+        "test_horovod's suite launch under horovodrun: 13 scenarios against one process (72 s)",
+    r"tests/test_multiworker\.py::test_launch_runs_the_same_example_to_the_same_weights":
+        "the hand-set TF_CONFIG run of the same example; kerasdist launch in the matrix's multiworker row (27 s)",
+    r"tests/test_jax\.py::test_data_parallel_on_8_devices_equals_one_device":
+        "the matrix's jax_data_parallel row (1x2) and the keras.io JAX guide's 8 devices (32 s)",
+    r"tests/test_horovod\.py::test_failures_end_the_job_fast\[mismatch":
+        "the same agreement check (plugin_tools.check_agreement) refusing under multiworker and torch (28 s)",
+    r"tests/test_keras_tuner\.py::test_a_tuner_searches_under_launch":
+        "the writing-callbacks table every word uses, KerasTuner's SaveBestEpoch in it (test_keras_tuner) (3 x 60 s)",
     r"tests/test_torch\.py::test_torchrun_trains_every_keras_io_custom_step":
         "every keras.io custom step under kerasdist launch; two of them and the default model under torchrun (20 s)",
     r"tests/test_torch_sharding\.py::test_fsdp_holds_at_most_055x":
