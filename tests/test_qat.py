@@ -18,6 +18,7 @@ import pytest
 
 import kerasdist
 from kerasdist_plugins import qat
+from runif import run_if
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
@@ -114,6 +115,32 @@ def test_multiworker_qat_equals_one_process_and_workers_hold_identical_ranges(tm
     names = [n for n in reference.files if n != "steps"]
     assert len(names) == 4 + 8  # 2 kernels, 2 biases; ranges (min, max): input, pre-tanh, output; output
     assert reference["steps"].tolist() == chief["steps"].tolist()
+    for name in names:
+        np.testing.assert_allclose(chief[name], reference[name], atol=1e-5, err_msg=name)
+        np.testing.assert_array_equal(chief[name], other[name], err_msg=name)
+
+
+@pytest.mark.slow
+@run_if(horovod=True)
+def test_horovod_qat_equals_one_process_and_ranks_hold_identical_ranges(tmp_path):
+    """Issue 36: QAT under horovodrun learns one set of int8 ranges from the global batch (the horovod word declares its
+    ranks a process group: the ranges' min/max go through hvd.allreduce). Before: refused at compile ("each would
+    learn its own int8 ranges")."""
+    from helpers import PYTHON, child_env, run
+    from runif import HOROVODRUN
+    from test_equivalence import HOROVOD_ARGS
+
+    script = os.path.join(HERE, "workers", "equivalence_script.py")
+    plain, launched = str(tmp_path / "plain.npz"), str(tmp_path / "hvd.npz")
+    env = child_env(TF_CPP_MIN_LOG_LEVEL=3)
+    run([PYTHON, script, "--out", plain, "--quantize", "--distribute", "none"], timeout=240, env=env)
+    run([HOROVODRUN, *HOROVOD_ARGS, PYTHON, script, "--out", launched, "--quantize", "--distribute", "horovod"],
+        timeout=240, env=env)
+    reference, chief = np.load(plain), np.load(launched)
+    other = np.load(launched.replace(".npz", "-task1.npz"))
+    names = [n for n in reference.files if n != "steps"]
+    assert len(names) == 4 + 8 and reference["steps"].tolist() == chief["steps"].tolist()
+    print("horovod QAT: max |rank 0 - one process| =", max(float(np.max(np.abs(chief[n] - reference[n]))) for n in names))
     for name in names:
         np.testing.assert_allclose(chief[name], reference[name], atol=1e-5, err_msg=name)
         np.testing.assert_array_equal(chief[name], other[name], err_msg=name)

@@ -120,7 +120,20 @@ def kerasdist_create_strategy(spec, cluster):
         raise kerasdist.StrategyConflictError(
             "compile(distribute='horovod') was called inside a tf.distribute strategy scope; call it "
             "outside any `with strategy.scope():` block (Horovod runs one replica per process).")
+    if hvd.size() > 1:  # the ranks train one model: what reduces over them (QAT's int8 ranges) reduces over these
+        from kerasdist.plugin_tools import set_process_group
+
+        set_process_group(hvd.size(), hvd.rank(), _sum_tensors(hvd))
     return tf.distribute.get_strategy()
+
+
+def _sum_tensors(hvd):
+    """float32 sums over the ranks, inside a training step (``plugin_tools.set_process_group``'s ``sum_tensors``)."""
+
+    def sum_tensors(tensors):
+        return [hvd.allreduce(tensor, op=hvd.Sum) for tensor in tensors]
+
+    return sum_tensors
 
 
 def _wrap_numbers():

@@ -63,9 +63,9 @@ def quantize_model(model, spec, strategy=None):
 
 
 def _check_replicas_share_steps(strategy, where):
-    """The ranges are reduced over the replicas of one synchronous tf.distribute step. A parameter-server
-    cluster (asynchronous workers) or several processes that are not replicas of one strategy (Horovod)
-    would each learn their own ranges, so they are refused."""
+    """The ranges are reduced over the replicas of one synchronous tf.distribute step, or over a declared process
+    group (multiworker's strategy-free step, horovod). A parameter-server cluster (asynchronous workers) or several
+    processes that are neither would each learn their own ranges, so they are refused."""
     import tensorflow as tf
 
     from kerasdist.plugin_tools import process_group_size
