@@ -61,10 +61,51 @@ def custom_steps_train_as_one_device(model, compile_kwargs, word):
             object.__setattr__(model, name, _replica_step(model, step, summed, training=name == "train_step"))
 
 
+def output_losses_weighted_by_share(model, sum_rows=None):
+    """Keras's own ``train_step`` and ``test_step``: its per-output loss trackers (``out_loss``, ``aux_loss`` of a
+    model compiled with a loss per output) are updated with one scalar and the batch's static size, None where a
+    dataset's batch size is not static: one process then weighs every step alike, and the replicas' or processes'
+    parts of a step each counted as a step (an uneven last batch logged otherwise than one process). Inside those
+    steps each such update weighs this part's share of the global batch (its rows over the rows summed by
+    ``sum_rows``; None: the replica context's all-reduce), as :func:`weighted_scalar_updates`. The rows are summed
+    only for a model with per-output trackers. Call from ``kerasdist_adjust_compile``, after the word's own step
+    wrappers. Idempotent."""
+    from ._keras_internals.training import output_loss_trackers
+
+    def weighted(keras_step):
+        def step(data):
+            import tensorflow as tf
+
+            if not output_loss_trackers(model):
+                return keras_step(data)
+            total_of = step.sum_rows
+            if total_of is None:
+                context = tf.distribute.get_replica_context()
+                if context is None or context.num_replicas_in_sync == 1:
+                    return keras_step(data)
+                total_of = lambda rows: context.all_reduce(tf.distribute.ReduceOp.SUM, rows)  # noqa: E731
+            rows = rows_of(data)
+            with weighted_scalar_updates(model, rows, tf.math.divide_no_nan(rows, total_of(rows))):
+                return keras_step(data)
+
+        step._kerasdist_output_losses = True  # still Keras's own step (keras_step_order_is_known, _own_test_step)
+        step._kerasdist_empty_replicas = getattr(keras_step, "_kerasdist_empty_replicas", False)
+        return step
+
+    for name, keras_own in (("train_step", keras_step_order_is_known(model)), ("test_step", not _own_test_step(model))):
+        step = getattr(model, name)
+        if not keras_own:
+            continue
+        if not getattr(step, "_kerasdist_output_losses", False):
+            step = weighted(step)
+            object.__setattr__(model, name, step)
+        step.sum_rows = sum_rows  # a model compiled again under another word: that word's sum
+
+
 def _own_test_step(model):
     own = vars(model).get("test_step")
     if own is not None and not getattr(own, "_kerasdist_replica_step", False):
-        return not getattr(own, "_kerasdist_empty_replicas", False)
+        return not (getattr(own, "_kerasdist_empty_replicas", False) or getattr(own, "_kerasdist_output_losses", False))
     return type(model).test_step is not keras.Model.test_step
 
 

@@ -274,7 +274,8 @@ def _copied_batches(generator):
 
 # -- a model's own train_step/test_step under the replicas of one process (mirrored, central_storage) -------------
 
-_CUSTOM_REPLICA_STEPS = ("custom_steps_train_as_one_device", "rows_of", "weighted_scalar_updates")
+_CUSTOM_REPLICA_STEPS = ("custom_steps_train_as_one_device", "rows_of", "weighted_scalar_updates",
+                         "output_losses_weighted_by_share")
 
 
 def __getattr__(name):

@@ -11,7 +11,7 @@ def mirrored_replicas_as_one_device(compile_kwargs, model, strategy, word, sync_
     """Uneven global batches, gradient accumulation, clipping, mixed precision and (``sync_batch_norm``) batch
     statistics as on one device (``replicas_train_as_one_device``); a model's own ``train_step`` too
     (``custom_steps_train_as_one_device``); jit_compile on CPU replicas refused or resolved; predict and evaluate
-    on fewer rows than replicas. Call from ``kerasdist_adjust_compile``."""
+    on fewer rows than replicas; per-output loss logs as one process's. Call from ``kerasdist_adjust_compile``."""
     from . import custom_replica_steps
 
     no_xla_on_cpu_replicas(compile_kwargs, strategy, word)
@@ -19,6 +19,7 @@ def mirrored_replicas_as_one_device(compile_kwargs, model, strategy, word, sync_
     custom_replica_steps.custom_steps_train_as_one_device(model, compile_kwargs, word)
     predict_on_empty_replicas(model)
     evaluate_on_empty_replicas(model)
+    custom_replica_steps.output_losses_weighted_by_share(model)  # outermost: its all-reduce before any tf.cond
 
 
 def replicas_train_as_one_device(compile_kwargs, model, strategy, sync_batch_norm=False):

@@ -46,16 +46,21 @@ def _clip_summed(optimizer, keras_clip):
         totals = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
         clipped = keras_clip(list(totals))
         replicas = context.num_replicas_in_sync
+        first = tf.equal(context.replica_id_in_sync_group, 0)
         for i, total in zip(present, clipped):
-            grads[i] = _divided(total, replicas)
+            grads[i] = _share(total, replicas, first)
         return grads
 
     return clip_gradients
 
 
-def _divided(gradient, replicas):
+def _share(gradient, replicas, first):
+    """This replica's part of the clipped sum: Keras's all-reduce that follows adds the parts back to it. Sparse
+    slices are all-reduced by concatenation, so the first replica hands on every slice and the others none (halved
+    slices would reach the optimizer twice: Adagrad and Adam square each slice, (g/2)^2 + (g/2)^2 is not g^2)."""
     import tensorflow as tf
 
     if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values / replicas, gradient.indices, gradient.dense_shape)
+        rows = tf.shape(gradient.indices)[0] * tf.cast(first, tf.int32)
+        return tf.IndexedSlices(gradient.values[:rows], gradient.indices[:rows], gradient.dense_shape)
     return gradient / replicas

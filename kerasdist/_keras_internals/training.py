@@ -22,8 +22,17 @@ def keras_step_order_is_known(model):
     if step is None or missing(step, "trainer_compute_metrics"):
         return False
     own = vars(model)
-    return (type(model).train_step is locate(step) and "train_step" not in own
+    own_step = own.get("train_step")  # kerasdist's per-output loss weighting wraps Keras's own step
+    return (type(model).train_step is locate(step)
+            and (own_step is None or getattr(own_step, "_kerasdist_output_losses", False))
             and type(model).compute_metrics is locate("trainer_compute_metrics") and "compute_metrics" not in own)
+
+
+def output_loss_trackers(model):
+    """The ``Mean`` trackers Keras's compiled loss keeps per output (``out_loss``, ``aux_loss``; none for one loss),
+    once it is built (private: ``model._compile_loss``, its ``metrics``)."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    return list(getattr(compile_loss, "metrics", None) or []) if getattr(compile_loss, "built", False) else []
 
 
 def mean_state(metric):

@@ -136,6 +136,13 @@ def _sum_tensors(hvd):
     return sum_tensors
 
 
+def _sum_rows(hvd):
+    def sum_rows(rows):
+        return hvd.allreduce(rows, op=hvd.Sum, name="kerasdist_output_loss_rows")
+
+    return sum_rows
+
+
 def _wrap_numbers():
     """Numbers the optimizers this process wraps, from 1: the same on every rank running the same script."""
     return process_state.slot("horovod.optimizer_numbers", lambda: itertools.count(1))
@@ -146,6 +153,8 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
     if not isinstance(spec, Horovod):
         return
     import horovod.tensorflow as hvd
+
+    from kerasdist.plugin_tools import output_losses_weighted_by_share
 
     from .gradients import GradientReducer, constant_learning_rate, distribute_optimizer, scale_learning_rate
 
@@ -166,6 +175,7 @@ def kerasdist_adjust_compile(compile_kwargs, model, spec):
     reducer.lr_scaled = getattr(previous, "lr_scaled", False)
     distribute_optimizer(optimizer, reducer)
     reducer.count_rows(model)  # weights each rank's gradient by its rows: uneven parts train as one batch
+    output_losses_weighted_by_share(model, _sum_rows(hvd))
     if spec.scale_learning_rate and not reducer.lr_scaled:
         scale_learning_rate(optimizer, hvd.size())
         reducer.lr_scaled = True

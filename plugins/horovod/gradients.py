@@ -23,6 +23,27 @@ class GradientReducer:
         self.predivide = float(spec.gradient_predivide_factor)
         self.accumulators, self.counter = None, None
         self.rows = None  # this rank's rows in the step being traced (set by count_rows)
+        self.weighs_loss = spec.sync_batch_norm  # weight the loss by the rows, not the gradients (see weighted_loss)
+        self.loss_weighted = False  # the step being traced weighted its loss (weighted_loss)
+
+    def _weights_rows(self):
+        return (self.op == self.hvd.Average and self.passes == 1 and self.rows is not None
+                and self.compression is self.hvd.Compression.none)
+
+    def weighted_loss(self, loss):
+        """With synchronized batch statistics a rank's loss depends on every rank's rows, and the statistics'
+        all-reduce sums the ranks' gradients back through them: weighting each rank's gradient by its rows after
+        the backward pass would weigh those cross-rank parts by the wrong rank's rows (an uneven last batch: 3.6e-3
+        off one process). The loss is weighted instead, by rows x ranks / the global batch's rows, before the
+        backward pass (Keras's train step calls ``optimizer.scale_loss``)."""
+        import tensorflow as tf
+
+        if not self.weighs_loss or self.loss_weighted or not self._weights_rows() or self.hvd.size() == 1:
+            return loss
+        rows = tf.cast(self.rows, tf.float32)
+        total = self.hvd.allreduce(rows, op=self.hvd.Sum, name=f"{self.name}_loss_rows")
+        self.loss_weighted = True
+        return loss * tf.cast(tf.math.divide_no_nan(rows * self.hvd.size(), total), loss.dtype)
 
     def allreduce(self, grads):
         """All-reduce a list of gradients (None kept); identity on a single process."""
@@ -38,8 +59,8 @@ class GradientReducer:
         result = list(grads)
         # Ranks' parts of a batch may differ in size (a small last batch): weight each by its rows. Not
         # with fp16 compression (rows x gradient could overflow float16) nor accumulation/sum/adasum.
-        weighted = (self.op == self.hvd.Average and self.passes == 1 and self.rows is not None and bool(dense)
-                    and self.compression is self.hvd.Compression.none)
+        weighted = self._weights_rows() and bool(dense) and not self.loss_weighted
+        self.loss_weighted = False
         if weighted:
             rows = tf.cast(self.rows, grads[dense[0]].dtype)
             grads = [_times(g, rows) for g in grads]
@@ -80,6 +101,7 @@ class GradientReducer:
             y_pred = kwargs.get("y_pred", args[2] if len(args) > 2 else None)
             leaf = next((t for t in keras.tree.flatten(y_pred) if t is not None), None)
             holder.reducer.rows = tf.shape(leaf)[0] if leaf is not None else None
+            holder.reducer.loss_weighted = False
             return original(*args, **kwargs)
 
         object.__setattr__(model, "compute_loss", compute_loss)
@@ -187,6 +209,10 @@ class _AllreduceOptimizerMixin:
         if reducer is None or self.__dict__.get(_REDUCED_BY_WRAPPER):
             return super().apply(grads, trainable_variables)
         return reducer.apply(self, super().apply, list(grads), trainable_variables)
+
+    def scale_loss(self, loss):
+        reducer = self.__dict__.get("_kerasdist_horovod")
+        return super().scale_loss(loss if reducer is None else reducer.weighted_loss(loss))
 
 
 def _distributed_classes():

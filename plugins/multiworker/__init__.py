@@ -192,9 +192,10 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
         strategy_free.adjust_compile(compile_kwargs, model)
     elif isinstance(spec, MultiWorker):
-        from kerasdist.plugin_tools import replicas_train_as_one_device
+        from kerasdist.plugin_tools import output_losses_weighted_by_share, replicas_train_as_one_device
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
+        output_losses_weighted_by_share(model)
 
 
 def _refuse_xla_on_cpu_workers(compile_kwargs):

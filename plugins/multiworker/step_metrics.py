@@ -46,7 +46,8 @@ def _recording_result(metric, result, watched):
 
 def _recording_update(metric, update_state, watched):
     def recorded(*args, **kwargs):
-        values = args[0] if len(args) == 1 and not kwargs else None
+        unweighted = not kwargs or set(kwargs) == {"sample_weight"} and kwargs["sample_weight"] is None
+        values = args[0] if len(args) == 1 and unweighted else None  # Keras's per-output loss trackers: None
         if values is not None and len(getattr(values, "shape", (None,))) == 0 and metric not in watched.scalar_fed:
             watched.scalar_fed.append(metric)
         return update_state(*args, **kwargs)

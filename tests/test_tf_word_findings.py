@@ -1,0 +1,59 @@
+"""Three jobs the differential fuzzer found under the TensorFlow words (seeds 2001, 2002, 2007: per-output loss
+logs; 2005: a clipped sparse gradient, synchronized batch statistics over an uneven batch), each equal to one
+process now (tests/workers/tf_word_findings.py has each job and its figure before). One process start per word's
+launcher; multiworker's two launches are in the extended tier (MultiWorkerMirroredStrategy's step runs mirrored's
+replica-context code; the strategy-free step's change is its metric watch counting ``sample_weight=None`` as none)."""
+
+import os
+
+import pytest
+
+from helpers import PYTHON, ROOT, child_env, run
+from runif import HOROVODRUN, run_if
+
+pytestmark = [pytest.mark.slow]
+
+SCRIPT = os.path.join(ROOT, "tests", "workers", "tf_word_findings.py")
+KERASDIST = os.path.join(os.path.dirname(PYTHON), "kerasdist")
+CASES = ("output-losses", "sparse-clip", "sync-bn")
+
+
+def _check(output, words, ranks):
+    found = {}
+    for line in output.splitlines():
+        _, _, rest = line.partition("CASE ")
+        if rest:
+            case, word, worst, where = rest.split()
+            found.setdefault((case, word), []).append((float(worst), where))
+    for word in words:
+        for case in CASES:
+            assert len(found.get((case, word), [])) == ranks, (case, word, output[-3000:])
+            for worst, where in found[(case, word)]:
+                assert worst <= 1e-6, f"{case} under {word}: {worst} at {where}"
+
+
+def _env(**extra):
+    return child_env(KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="3", **extra)
+
+
+@pytest.mark.timeout(300)
+def test_replicas_of_one_process_train_and_log_as_one_process():
+    output = run([PYTHON, SCRIPT, "mirrored,central_storage"], timeout=240, env=_env(KERASDIST_CPU_REPLICAS="2"))
+    _check(output.stdout, ["mirrored", "central_storage"], 1)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy_free", ["on", "off"])
+def test_multiworker_trains_and_logs_as_one_process(strategy_free):
+    output = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", SCRIPT, "multiworker"], timeout=240,
+                 env=_env(KERASDIST_STRATEGY_FREE=strategy_free, OMP_NUM_THREADS="1"))
+    _check(output.stdout, ["multiworker"], 2)
+
+
+@run_if(horovod=True)
+@pytest.mark.timeout(300)
+def test_horovod_trains_and_logs_as_one_process():
+    output = run([HOROVODRUN, "-np", "2", "--gloo", "-H", "localhost:2", "--network-interfaces", "lo",
+                  "--gloo-timeout-seconds", "60", PYTHON, SCRIPT, "horovod"], timeout=240,
+                 env=_env(OMP_NUM_THREADS="1"))
+    _check(output.stdout, ["horovod"], 2)

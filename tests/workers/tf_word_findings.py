@@ -1,0 +1,85 @@
+"""Three jobs the differential fuzzer found (seeds 2001 and 2005), each trained with and without the word in one run.
+
+    python tf_word_findings.py WORD[,WORD...]   (under the launcher the word needs: kerasdist launch, horovodrun)
+
+- ``output-losses``: a loss per output, fit with validation and evaluate, every last batch split unevenly. Keras's
+  per-output trackers (``out_loss``, ``aux_loss``) weigh each step of a dataset without a static batch size alike;
+  each replica's or process's part of a step counted as a step (mirrored 0.077 off at ``val_aux_loss``,
+  central_storage, multiworker and horovod 0.165 at ``val_out_loss``; weights exact). Compares history and evaluate.
+- ``sparse-clip``: an Embedding over repeated ids, Adam with clipvalue (mirrored and central_storage clipped the
+  replicas' summed gradient and handed each replica half of it; sparse slices are summed by concatenation, so each
+  slice reached the optimizer twice at half its value, and Adam squares each slice: 0.178 off). Compares weights.
+- ``sync-bn``: synchronized BatchNormalization, a last batch split 5 + 4 (horovod weighted each rank's gradient by
+  its rows after the backward pass, through the statistics' all-reduce too: 1.7e-3 off). Compares weights.
+
+Prints ``CASE <case> <word> <worst relative difference> <where>``."""
+
+import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any framework op
+
+import sys
+
+import keras
+import numpy as np
+from keras import layers
+
+rng = np.random.default_rng(2001)
+
+
+def split(rows):
+    return (rng.normal(size=(rows, 5)).astype("float32"),
+            {"out": rng.integers(0, 4, size=(rows,)).astype("int32"), "aux": rng.normal(size=(rows, 1)).astype("float32")})
+
+
+(x, y), (xv, yv), (xe, ye) = split(40), split(13), split(11)
+sample_weight = rng.uniform(0.5, 1.5, size=(40,)).astype("float32")
+ids, labels = rng.integers(0, 4, size=(45, 5)).astype("int32"), rng.integers(0, 4, size=(45,)).astype("int32")
+
+
+def output_losses(distribute):
+    a = keras.Input(shape=(5,))
+    h = layers.Dense(4, activation="relu")(a)
+    model = keras.Model(a, {"out": layers.Dense(4, name="out")(h), "aux": layers.Dense(1, name="aux")(h)})
+    model.compile(optimizer=keras.optimizers.SGD(0.05), metrics={"out": ["accuracy"]}, distribute=distribute,
+                  loss={"out": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "aux": "mse"})
+    history = model.fit(x, y, sample_weight=sample_weight, batch_size=6, epochs=2, shuffle=False,
+                        validation_data=(xv, yv), validation_batch_size=6, verbose=0).history
+    return dict(history, **{f"evaluate_{k}": [v] for k, v in
+                            model.evaluate(xe, ye, batch_size=6, verbose=0, return_dict=True).items()})
+
+
+def embedding_model(case, distribute):
+    a = keras.Input(shape=(5,), dtype="int32")
+    h = layers.GlobalAveragePooling1D()(layers.Embedding(4, 4)(a))
+    h = layers.Dense(4, activation="tanh", use_bias=case != "sync-bn")(h)
+    if case == "sync-bn":
+        h = layers.BatchNormalization()(h)
+    model = keras.Model(a, layers.Dense(4)(layers.Dense(4, activation="tanh")(h)))
+    start = np.random.default_rng(2006)
+    model.set_weights([w if any(k in v.path for k in ("gamma", "beta", "mean", "variance"))
+                       else start.normal(0, 0.3, w.shape).astype("float32")
+                       for v, w in zip(model.weights, model.get_weights())])
+    optimizer = keras.optimizers.Adam(0.05, clipvalue=0.5) if case == "sparse-clip" else keras.optimizers.SGD(0.05)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  distribute=distribute)
+    model.fit(ids, labels, batch_size=12, epochs=2, shuffle=False, verbose=0)  # 12, 12, 12, 9 (5 + 4)
+    return {f"weights[{i}]": np.ravel(w) for i, w in enumerate(model.get_weights())}
+
+
+def trained(case, distribute):
+    keras.utils.set_random_seed(0)
+    return output_losses(distribute) if case == "output-losses" else embedding_model(case, distribute)
+
+
+def worst_difference(got, want):
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    return max((float(np.max(np.abs(np.subtract(got[k], want[k])) / np.maximum(1.0, np.abs(want[k])))), k)
+               for k in want)
+
+
+CASES = ("output-losses", "sparse-clip", "sync-bn")
+references = {case: trained(case, None) for case in CASES}
+for word in sys.argv[1].split(","):
+    for case in CASES:
+        spec = kerasdist.spec(word, sync_batch_norm=True) if case == "sync-bn" else word
+        worst, where = worst_difference(trained(case, spec), references[case])
+        print(f"CASE {case} {word} {worst:.3g} {where}", flush=True)
