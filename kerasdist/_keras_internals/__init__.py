@@ -20,7 +20,8 @@ Keras release changes a piece. This ``__init__`` only re-exports what kerasdist'
 """
 
 from .backup import make_chief_aware_backup  # noqa: F401
-from .central import assign_state_from_first_replica, update_loss_scale_once_per_step  # noqa: F401
+from .central import (assign_state_from_first_replica, decay_weights_outside_replicas,  # noqa: F401
+                      update_loss_scale_once_per_step)
 from .clipping import clip_summed_gradients  # noqa: F401
 from .coordination import configure_coordination, tf_context_initialized  # noqa: F401
 from .gradient_routing import route_gradient_all_reduce  # noqa: F401

@@ -151,3 +151,34 @@ def update_loss_scale_once_per_step(optimizer):
 
     object.__setattr__(optimizer, "check_finite", check_finite)
     object.__setattr__(optimizer, "_stateful_handle_finite_grads", handle_finite_grads)
+
+
+def decay_weights_outside_replicas(optimizer):
+    """An optimizer with its own ``_apply_weight_decay`` that writes the model's variables from inside the replicas
+    (Keras's Muon: ``variable.assign``) runs it once, in cross-replica context: an ``AggregatingVariable`` refuses a
+    replica-context write without an aggregation (CentralStorageStrategy: a raw ValueError at the first step, the
+    fuzzer's seed 2003). Keras's TensorFlow optimizers decay through the strategy already and are left alone, as
+    are the optimizers a LossScaleOptimizer wraps once handled. Idempotent.
+
+    Private: ``BaseOptimizer._apply_weight_decay`` (replaced per instance) and ``TFOptimizer._apply_weight_decay``
+    (``versions.PIECES["optimizer_apply_weight_decay"]``, ``["tf_optimizer_apply_weight_decay"]``)."""
+    import tensorflow as tf
+
+    from .strategy_binding import optimizer_chain
+    from .versions import locate, require
+
+    require("optimizer_apply_weight_decay", "tf_optimizer_apply_weight_decay")
+    through_strategy = locate("tf_optimizer_apply_weight_decay")
+    for inner in optimizer_chain(optimizer):
+        if (type(inner)._apply_weight_decay is through_strategy or "_apply_weight_decay" in vars(inner)
+                or getattr(inner, "weight_decay", None) is None):
+            continue
+        own = inner._apply_weight_decay
+
+        def apply_weight_decay(variables, own=own):
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1:
+                return own(variables)
+            return context.merge_call(lambda _strategy: own(variables))
+
+        object.__setattr__(inner, "_apply_weight_decay", apply_weight_decay)

@@ -92,6 +92,13 @@ PIECES = {
     "optimizer_clip_gradients": Piece(
         "BaseOptimizer._clip_gradients: replaced per optimizer to clip the replicas' summed gradient", "tf",
         _everywhere("keras.src.optimizers.base_optimizer:BaseOptimizer._clip_gradients")),
+    "optimizer_apply_weight_decay": Piece(
+        "BaseOptimizer._apply_weight_decay: an optimizer's own (Muon's) replaced per instance to run in cross-replica "
+        "context under CentralStorageStrategy", "central_storage",
+        _everywhere("keras.src.optimizers.base_optimizer:BaseOptimizer._apply_weight_decay")),
+    "tf_optimizer_apply_weight_decay": Piece(
+        "TFOptimizer._apply_weight_decay: the TensorFlow optimizers' weight decay through the strategy, left alone",
+        "central_storage", _everywhere(f"{_TF_OPTIMIZER}._apply_weight_decay")),
     "optimizer_var_key": Piece(
         "BaseOptimizer._var_key: how an optimizer indexes its variables (re-indexed after a move)", "tf",
         _everywhere("keras.src.optimizers.base_optimizer:BaseOptimizer._var_key")),

@@ -192,9 +192,11 @@ def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
 
         strategy_free.adjust_compile(compile_kwargs, model)
     elif isinstance(spec, MultiWorker):
-        from kerasdist.plugin_tools import output_losses_weighted_by_share, replicas_train_as_one_device
+        from kerasdist.plugin_tools import (custom_steps_train_as_one_device, output_losses_weighted_by_share,
+                                            replicas_train_as_one_device)
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
+        custom_steps_train_as_one_device(model, compile_kwargs, "multiworker")
         output_losses_weighted_by_share(model)
 
 
