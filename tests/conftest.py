@@ -75,8 +75,8 @@ EXTENDED = os.environ.get("KERASDIST_EXTENDED_TESTS") == "1"
 #: tests of the extended tier that live in files of `make test`: node id pattern -> what checks the same in make test
 #: (loaded seconds of each, measured 2026-11-29)
 EXTENDED_HERE = {
-    r"tests/test_fuzz\.py::test_seed_2002_attention_trains_under_fsdp":
-        "the torch group's fsdp runs of seed 1000 (uneven batches) in the short tier (60 s)",
+    r"tests/test_fuzz\.py::test_seed_2002_attention_under_fsdp_trains_or_names_the_uneven_batch":
+        "the torch group's fsdp runs of seed 1000 (uneven batches) in the short tier (40 s)",
     r"tests/test_tf_word_findings\.py::test_multiworker_trains_and_logs_as_one_process":
         "mirrored's (MWMS: the same replica-context code) and horovod's run of the same jobs (55 s)",
     r"tests/test_jax_custom_steps\.py::test_custom_steps_tf_data_and_evaluate_over_2_processes":
