@@ -62,7 +62,7 @@ def keras_3_stays_tf_keras():
 #: first: `make test` runs files on 2 xdist workers in collection order (--dist loadfile), so a long file collected
 #: last runs alone at the end
 LONGEST_FIRST = ("test_equivalence.py", "test_multiworker_strategy_free.py", "test_multiworker.py", "test_torch.py",
-                 "test_qat.py", "test_horovod.py", "test_mirrored.py", "test_fuzz.py", "test_guide_words.py",
+                 "test_qat.py", "test_horovod.py", "test_mirrored.py", "test_tf_word_findings.py", "test_fuzz.py", "test_guide_words.py",
                  "test_hooks.py", "test_multiworker_row_counts.py", "test_jax_custom_steps.py", "test_replica_semantics.py",
                  "test_guide_seed_tutorials.py", "test_guide_multi_worker.py", "test_slurm_real.py", "test_jax.py")
 
@@ -77,8 +77,8 @@ EXTENDED = os.environ.get("KERASDIST_EXTENDED_TESTS") == "1"
 EXTENDED_HERE = {
     r"tests/test_fuzz\.py::test_seed_2002_attention_under_fsdp_trains_or_names_the_uneven_batch":
         "the torch group's fsdp runs of seed 1000 (uneven batches) in the short tier (40 s)",
-    r"tests/test_tf_word_findings\.py::test_multiworker_trains_and_logs_as_one_process":
-        "mirrored's (MWMS: the same replica-context code) and horovod's run of the same jobs (55 s)",
+    r"tests/test_tf_word_findings\.py::test_(multiworker_trains_and_logs_as_one_process|horovod)":
+        "mirrored's and central_storage's run of the same jobs (MWMS: the same replica-context code) (150 s)",
     r"tests/test_jax_custom_steps\.py::test_custom_steps_tf_data_and_evaluate_over_2_processes":
         "the same cases on 1 process x 2 devices (322 s)",
     r"tests/guides/test_guide_words\.py::\w+\[(mirrored|central_storage|multiworker|horovod|jax-data_parallel)[-\]]":

@@ -2,7 +2,7 @@
 a clipped sparse gradient, synchronized batch statistics over an uneven batch; 2000, 2003, 2004: a custom step under
 MultiWorkerMirroredStrategy's step, Muon under central_storage), each equal to one
 process now (tests/workers/tf_word_findings.py has each job and its figure before). One process start per word's
-launcher; multiworker's two launches are in the extended tier (MultiWorkerMirroredStrategy's step runs mirrored's
+launcher; multiworker's two launches and horovod's are in the extended tier (MultiWorkerMirroredStrategy's step runs mirrored's
 replica-context code; the strategy-free step's change is its metric watch counting ``sample_weight=None`` as none)."""
 
 import os
