@@ -165,6 +165,12 @@ EXTENDED_HERE = {
         "every keras.io custom step under kerasdist launch; two of them and the default model under torchrun (20 s)",
     r"tests/test_torch_sharding\.py::test_fsdp_holds_at_most_055x":
         "fsdp's training and checkpoints in the file's other tests and the fuzzer's torch group (48 s)",
+    r"tests/test_ray\.py::test_ray_torch_trainer":
+        "Ray Train's TorchTrainer beside the file's TensorFlow trainer run (extended too); torch data_parallel under "
+        "kerasdist launch and torchrun in test_torch (73 s)",
+    r"tests/test_plugin_loading\.py::test_keras_is_patched_and_the_cpu_split_whichever":
+        "every test process imports kerasdist, then keras, then TensorFlow; test_hooks' keras_imported hook in both "
+        "orders (31 s)",
 }
 
 

@@ -53,7 +53,7 @@ SPARSE_VARIANTS = ("sparse_sgd", "sparse_adam", "sparse_adamw", "sparse_adagrad"
 EPOCH_KEYED = keras_shuffles_by_epoch()
 INPUT_CASES = ("py_dataset", "py_dataset_shuffled", "generator", "sum_loss", "empty_share", "sparse_dataset",
                "shuffled_dataset", "py_dataset_threaded", "arrays_shuffled", "transfer", "added_losses",
-               "data_loader", "tensors", "dict_inputs", "arrays_shuffled_rank_seeds", "diverged")  # diverged: last
+               "data_loader", "tensors", "dict_inputs", "arrays_shuffled_rank_seeds", "jit_compile", "diverged")  # diverged: last
 
 
 @pytest.mark.slow
@@ -94,10 +94,12 @@ def test_other_inputs_and_losses_equal_one_process():
     ValueError at the first validation step); tensors (torch x, tf.Tensor y, JAX sample_weight), dict inputs of a
     tensor and an array with class_weight, scipy sparse validation data, torch DataLoaders (before: never split,
     every worker trained every row: the summed ``rows`` metric counted each twice; a shuffling DataLoader in each
-    worker's own order, weights 0.035 off). One process trains them in turn."""
+    worker's own order, weights 0.035 off). jit_compile=True refused at compile in every worker. One process trains
+    them in turn."""
     launched, single = _both(INPUTS, INPUT_CASES)
     _assert_diverged_ranks_stop_naming_both(launched, single)
-    for case in INPUT_CASES[:-1]:
+    _assert_xla_refused_in_every_worker(launched, single)
+    for case in INPUT_CASES[:-2]:
         for rank in (0, 1):
             got = launched[rank][case]
             for key in got:
@@ -116,6 +118,17 @@ def _assert_diverged_ranks_stop_naming_both(launched, single):
     for rank in (0, 1):
         raised = str(launched[rank]["diverged"]["errors"][-1])
         assert raised.startswith("KerasdistError: distribute='multiworker'") and all(w in raised for w in want), raised
+
+
+def _assert_xla_refused_in_every_worker(launched, single):
+    """Neither step can run XLA across CPU workers (the ring cannot be called from XLA; TensorFlow's XLA has no CPU
+    collectives: "Collectives are not yet implemented for CPU devices when compiling with XLA"): compile says so
+    in every worker, before any step; one process compiles."""
+    assert str(single["jit_compile"]["error"]) == ""
+    for rank in (0, 1):
+        raised = str(launched[rank]["jit_compile"]["error"])
+        assert raised.startswith("KerasdistError: distribute='multiworker' on CPU workers cannot train with "
+                                 "jit_compile=True") and "Pass jit_compile=False or 'auto'" in raised, raised
 
 
 def _both(script, names, timeout=240):
@@ -177,22 +190,6 @@ def test_a_bad_strategy_free_setting_names_the_valid_ones():
     assert setting({}) == "auto" and setting({"KERASDIST_STRATEGY_FREE": " ON"}) == "on"
     with pytest.raises(kerasdist.KerasdistError, match=r"KERASDIST_STRATEGY_FREE='yes' is not valid; choose auto"):
         setting({"KERASDIST_STRATEGY_FREE": "yes"})
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy_free", ["auto"])  # "off" raises the same error (same check in the hook)
-def test_jit_compile_true_on_cpu_workers_is_an_error_naming_the_fix(tmp_path, strategy_free):
-    """Neither step can run XLA across CPU workers (the ring cannot be called from XLA; TensorFlow's XLA has no CPU
-    collectives: "Collectives are not yet implemented for CPU devices when compiling with XLA"): compile says so
-    in every worker, before any step."""
-    failed = run([KERASDIST, "launch", "-n", "2", "--join-timeout", "60", WORKER, "--jit-compile", "--epochs", "1",
-                  "--out", str(tmp_path)], timeout=150, check=False, env=child_env(KERASDIST_STRATEGY_FREE=strategy_free))
-    assert failed.returncode != 0, failed.stdout[-3000:]
-    for rank in (0, 1):
-        assert any(line.startswith(f"[{rank}] ") and "KerasdistError: distribute='multiworker' on CPU workers cannot "
-                   "train with jit_compile=True" in line for line in failed.stdout.splitlines()), failed.stdout[-3000:]
-    assert "Pass jit_compile=False or 'auto'" in failed.stdout and "EPOCH_BEGIN" not in failed.stdout
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ shuffle=True), ``transfer`` (keras.io's transfer learning flow: frozen base, com
 ``data_loader`` (torch DataLoaders: x with shuffle=True and one loader worker process, one process seeding its
 sampler as multiworker does from shuffle_seed 1337; validation_data in order), ``tensors`` (x a torch tensor, y a
 tf.Tensor, sample_weight a JAX array, validation_split, shuffle), ``dict_inputs`` (a dict of a tf.Tensor and an
-array, class_weight, validation_data a list [dict, y]). Every model but transfer's logs ``rows`` (summed over the
+array, class_weight, validation_data a list [dict, y]), ``jit_compile`` (compile with jit_compile=True: refused on CPU
+workers), ``diverged`` (rank 1 leaves a fit for the next model: the last case). Every model but transfer's logs ``rows`` (summed over the
 workers: twice one process's count where every worker trained every row). Each trained in turn in this process. Prints RESULT <case> {"w": all weights, and the history}.
 """
 import kerasdist  # noqa: F401, I001  first: joins a multi-worker cluster before any TensorFlow op
@@ -44,6 +45,8 @@ def train(case):
         return transfer()
     if case == "diverged":
         return diverged()
+    if case == "jit_compile":
+        return jit_compile()
     if case in INPUT_KINDS:
         return other_kinds(case)
     keras.utils.set_random_seed(0)
@@ -189,6 +192,17 @@ def transfer():
         histories[f"{phase}_base"] = np.concatenate([np.ravel(v) for v in base.get_weights()]).tolist()
     w = np.concatenate([np.ravel(v) for v in model.get_weights()])
     print("RESULT transfer " + json.dumps({"w": w.tolist(), **histories}), flush=True)
+
+
+def jit_compile():
+    """Neither multiworker step can run XLA across CPU workers: compile refuses in every worker, before any step."""
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    try:
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True, distribute=None if word == "none" else word)
+        error = ""
+    except kerasdist.KerasdistError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    print("RESULT jit_compile " + json.dumps({"error": error}), flush=True)
 
 
 def diverged():
