@@ -25,7 +25,7 @@ from fuzz.source import script  # noqa: E402
 from helpers import ROOT  # noqa: E402
 
 SHORT = {"DEFECT: raw error": "raw", "DEFECT: silent": "silent", "refused": "refused", "invalid": "invalid",
-         "exact": "exact", "not run": "not run"}
+         "rounding": "rounding", "exact": "exact", "not run": "not run"}
 
 
 def write_defect(record, out_dir):
@@ -88,7 +88,8 @@ def fuzz(minutes, first_seed, groups, chunk, out_dir):
 def cell(records):
     counts = collections.Counter(SHORT[r["outcome"]] for r in records)
     worst = max((r.get("worst") or 0.0 for r in records if r["outcome"] in ("exact", "DEFECT: silent")), default=None)
-    text = " ".join(f"{counts[k]} {k}" for k in ("exact", "refused", "silent", "raw", "invalid") if counts[k])
+    text = " ".join(f"{counts[k]} {k}" for k in ("exact", "rounding", "refused", "silent", "raw", "invalid")
+                    if counts[k])
     return f"{len(records)}: {text}" + ("" if worst is None else f"; worst {figure(worst)}")
 
 
@@ -115,6 +116,12 @@ def table(records, minutes, first_seed):
               "|---|---|---|---|---|"]
     lines += [f"| {r['seed']} | {r['group']}:{r['word']} | {r['outcome']} | {describe(r).replace('|', '/')} | "
               f"{os.path.basename(r.get('script', ''))} |" for r in defects]
+    rounding = [r for r in records if r["outcome"] == "rounding"]
+    if rounding:
+        lines += ["", f"Within one process's own 16-bit rounding: {len(rounding)} (compare.within_rounding)", "",
+                  "| seed | word | figure | one process with other kernels | float32 twin |", "|---|---|---|---|---|"]
+        lines += [f"| {r['seed']} | {r['group']}:{r['word']} | {describe(r)} | {figure(r['floor'])} | "
+                  f"{figure(r['float32_worst'])} |" for r in rounding]
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,7 @@ difference.
 import inspect
 import json
 
-from .compare import worst_difference
+from .compare import FLOOR_JIT_COMPILE, worst_difference
 from .source_model import SET_START_WEIGHTS, custom_step_source, input_shape, model_source, output_units
 
 LOSSES = {"mse": '"mse"', "mae": '"mae"', "huber": "keras.losses.Huber()",
@@ -155,16 +155,17 @@ def callbacks_source(job):
 def compile_source(job):
     data, loss = job["data"], job["loss"]
     if job["step"]["custom"]:
-        return "model.compile(optimizer=optimizer, distribute=distribute)"
+        return "model.compile(optimizer=optimizer, jit_compile=jit_compile, distribute=distribute)"
     main = LOSSES[loss["name"]]
     metrics = METRICS[data["task"]]
     if data["aux_output"]:
         return (f'model.compile(optimizer=optimizer, loss={{"out": {main}, "aux": "mse"}}, '
-                f'metrics={{"out": {metrics}}}, distribute=distribute)')
-    return f"model.compile(optimizer=optimizer, loss={main}, metrics={metrics}, distribute=distribute)"
+                f'metrics={{"out": {metrics}}}, jit_compile=jit_compile, distribute=distribute)')
+    return (f"model.compile(optimizer=optimizer, loss={main}, metrics={metrics}, jit_compile=jit_compile, "
+            "distribute=distribute)")
 
 
-TRAIN = '''def train(distribute):
+TRAIN = '''def train(distribute, jit_compile="auto"):
     """Weights, history, evaluate and predict of the job trained with ``distribute=`` (None: plain Keras)."""
     keras.backend.clear_session()
     keras.utils.set_random_seed({seed})
@@ -196,6 +197,9 @@ if __name__ == "__main__":
     worst, where = worst_difference(train(distribute), reference)
     print(f"{{word}}: worst difference from one process {{worst:.3g}} at {{where}} (tolerance {tolerance:g})",
           flush=True)
+    if {floor_jit!r} is not None:  # a 16-bit job: one process's own rounding with other kernels (compare.py)
+        floor, at = worst_difference(train(None, jit_compile={floor_jit!r}), reference)
+        print(f"one process with jit_compile={floor_jit!r}: {{floor:.3g}} at {{at}} from its default kernels", flush=True)
 '''
 
 
@@ -219,7 +223,8 @@ def script(job, word=None, tolerance=1e-5, launcher=""):
                          compile=compile_source(job), epochs=fit["initial_epoch"] + fit["epochs"],
                          initial=fit["initial_epoch"], callbacks=callbacks_source(job), batch=job["data"]["batch"])
     footer = FOOTER.format(sync_bn=job["model"]["norm"] == "batch", sync_words=SYNC_BN_WORDS,
-                           default_word=word, tolerance=tolerance)
+                           default_word=word, tolerance=tolerance,
+                           floor_jit=None if job["policy"] == "float32" else FLOOR_JIT_COMPILE.get(job["backend"]))
     parts = ["import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any framework op\n\n" +
              "\n".join(imports) + "\n", data_source(job), SET_START_WEIGHTS, custom_step_source(job),
              model_source(job), helpers, fit_source(job), train, inspect.getsource(worst_difference)]

@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fuzz.compare import classify, finite  # noqa: E402
+from fuzz.compare import FLOOR_JIT_COMPILE, classify, finite, within_rounding, worst_difference  # noqa: E402
 from fuzz.source import script, word_source  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def load(job, out_dir, this_rank):
     """The job's script, executed as a module namespace (``train`` and its helpers)."""
     folder = os.path.join(out_dir, "scripts")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"seed{job['seed']}-{job['backend']}-rank{this_rank}.py")
+    path = os.path.join(folder, f"seed{job['seed']}-{job['backend']}-{job['policy']}-rank{this_rank}.py")
     with open(path, "w") as f:
         f.write(script(job))
     namespace = {"__name__": f"fuzz_seed_{job['seed']}", "__file__": path}
@@ -48,7 +48,7 @@ def error_line(error):
     return f"{type(error).__module__}.{type(error).__name__}: {str(error)[:400]}"
 
 
-def run_word(namespace, job, word, reference):
+def run_word(namespace, job, word, reference, out_dir, this_rank):
     began = time.monotonic()
     try:
         got = namespace["train"](eval(word_source(word, job), namespace))  # noqa: S307  our own literal
@@ -58,7 +58,33 @@ def run_word(namespace, job, word, reference):
         traceback.print_exc()
         return {"outcome": "DEFECT: raw error", "error": error_line(error), "seconds": time.monotonic() - began}
     outcome, worst, where = classify(job, reference, got)
-    return {"outcome": outcome, "worst": worst, "where": where, "seconds": time.monotonic() - began}
+    record = {"outcome": outcome, "worst": worst, "where": where}
+    if outcome == "DEFECT: silent" and job["policy"] != "float32":
+        record.update(rounding_checks(namespace, job, word, reference, out_dir, this_rank))
+        if within_rounding(job, worst, record["floor"], record["float32_twin"]):
+            record["outcome"] = "rounding"
+    return {**record, "seconds": time.monotonic() - began}
+
+
+def rounding_checks(namespace, job, word, reference, out_dir, this_rank):
+    """One process's own 16-bit rounding floor (the job with other kernels, compared with the reference) and the
+    outcome of the job's float32 twin under the word. Every rank runs them: the ranks of a word hold the same
+    weights and logs, so each reaches this point in the same job."""
+    floor = None
+    if job["backend"] in FLOOR_JIT_COMPILE:
+        try:
+            floor = worst_difference(namespace["train"](None, FLOOR_JIT_COMPILE[job["backend"]]), reference)[0]
+        except Exception as error:  # noqa: BLE001  the model has no XLA kernel: no floor, the difference stays
+            print(f"[fuzz] no rounding floor for seed {job['seed']}: {error_line(error)}", flush=True)
+    twin = dict(job, policy="float32")
+    twin_namespace = load(twin, out_dir, this_rank)
+    twin_reference = twin_namespace["train"](None)
+    try:
+        twin_got = twin_namespace["train"](eval(word_source(word, twin), twin_namespace))  # noqa: S307
+        twin_outcome, twin_worst, _ = classify(twin, twin_reference, twin_got)
+    except kerasdist.KerasdistError:
+        twin_outcome, twin_worst = "refused", None
+    return {"floor": floor, "float32_twin": twin_outcome, "float32_worst": twin_worst}
 
 
 def run_job(job, words, out_dir, this_rank):
@@ -73,7 +99,8 @@ def run_job(job, words, out_dir, this_rank):
     if problem:
         return [{"word": word, "outcome": "invalid", "error": problem} for word in words]
     digest = reference_digest(reference)
-    return [{"word": word, "reference": digest, **run_word(namespace, job, word, reference)} for word in words]
+    return [{"word": word, "reference": digest, **run_word(namespace, job, word, reference, out_dir, this_rank)}
+            for word in words]
 
 
 def reference_digest(reference):
