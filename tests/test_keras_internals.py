@@ -746,7 +746,8 @@ def test_torch_trainer_pieces_data_parallel_on_torch_relies_on():
     scales the loss through ``optimizer.scale_loss`` and updates through ``optimizer.apply`` (both wrapped per
     instance), the loss tracker before ``apply`` and the compiled metrics (``_compile_metrics``) after it;
     ``BatchNormalization._moments``/``_reduction_axes``, replaced by summed moments, give Keras's
-    own moments when the sum is over one process; Keras wraps models in DDP itself from 3.16 on."""
+    own moments when the sum is over one process; Keras wraps models in DDP itself from 3.16 on; torch DTensor's
+    ``_allow_implicit_replication`` flag, which fsdp's nestable implicit replication sets and restores."""
     import subprocess
     import sys
 
@@ -782,6 +783,15 @@ assert synchronize_torch_batch_norm(model, lambda t: t) == 1
 got = [t.detach().numpy() for t in layer._moments(x, None)]
 for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, atol=1e-6)
+from torch.distributed.tensor import DTensor
+from kerasdist._keras_internals.torch_sharding import implicitly_replicated
+flag = lambda: DTensor._op_dispatcher._allow_implicit_replication
+assert flag() is False
+with implicitly_replicated():
+    with implicitly_replicated():
+        assert flag() is True
+    assert flag() is True  # the outer one holds (a train step's backward pass)
+assert flag() is False
 print("CONTRACT OK")
 """
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KERASDIST_")}

@@ -52,6 +52,7 @@ def cases(directory, words):
 #: scenarios sharing ONE 2-process run (one torch start-up and rendezvous): both words, then the unbuilt model
 #: whose fsdp must raise (last: its error cannot disturb the others)
 SHARED = {"data_parallel": ["data_parallel"], "fsdp": ["fsdp"], "saved": ["fsdp", "--save"],
+          "lstm_data_parallel": ["data_parallel", "--lstm"], "lstm": ["fsdp", "--lstm"],
           "unbuilt": ["fsdp", "--unbuilt"]}
 
 
@@ -62,7 +63,7 @@ def runs(tmp_path_factory):
     outputs = launch_two(directory, None, worker=cases(directory, SHARED))
     results = {name: os.path.join(directory, name) for name in ("plain", *SHARED)}
     results["outputs"] = [output for _, output in outputs]
-    for word in ("data_parallel", "fsdp"):
+    for word in ("data_parallel", "fsdp", "lstm_data_parallel", "lstm"):
         for rank in range(2):
             error = os.path.join(directory, f"{word}.error-rank{rank}.txt")
             assert not os.path.exists(error), f"{word} raised on rank {rank}: {open(error).read()}\n{outputs}"
@@ -95,7 +96,21 @@ def test_fsdp_trains_as_the_reference_within_1e_5(runs, reference):
 
 
 @on_keras_315
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
+def test_an_lstm_under_fsdp_trains_as_under_data_parallel(runs):
+    """The fuzzer's seed 3004: the LSTM's zero initial state (a plain tensor) times a sharded gate is saved plain
+    for the backward pass, whose product was DTensor's raw "mixed torch.Tensor and DTensor" error at the first step
+    (torch's implicit_replication() inside another one turned the outer one off on its exit)."""
+    expected = load(runs["lstm_data_parallel"])
+    for rank in range(2):
+        got = load(runs["lstm"], rank)
+        difference = max(float(np.abs(a - b).max()) for a, b in zip(weights(expected), weights(got)))
+        print(f"rank {rank}: max |w_fsdp - w_data_parallel| (LSTM) = {difference:.3g}")
+        assert difference <= 1e-5
+        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["prediction"], expected["prediction"], rtol=1e-5, atol=1e-6)
+
+
 @on_keras_315
 @pytest.mark.timeout(600)
 def test_fsdp_checkpoints_and_save_weights_load_into_one_plain_process(runs):

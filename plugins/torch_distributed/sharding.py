@@ -79,6 +79,9 @@ def shard_model(model, strategy, spec):
         shard_variable(variable, strategy.mesh)
     model._kerasdist_fsdp = strategy
     model.call = _sharded_call(model.call, strategy)
+    # the backward pass too: a plain tensor the forward mixed with a DTensor (an LSTM's zero initial state times a
+    # sharded gate) is saved plain, and its gradient's product is mixed again (the fuzzer's seed 3004)
+    model.train_step = _replicating(model.train_step)
     model.save = _saved_by_rank0(model, model.save, strategy)
     model.save_weights = _saved_by_rank0(model, model.save_weights, strategy)
     model.get_weights = _gathered(model, model.get_weights)
@@ -142,9 +145,9 @@ def shard_variable(variable, mesh):
 def _replicating(function):
     """Run ``function`` with plain tensors treated as replicated DTensors (learning rate, step counter)."""
     def run(*args, **kwargs):
-        from torch.distributed.tensor.experimental import implicit_replication
+        from kerasdist.plugin_tools import implicitly_replicated
 
-        with implicit_replication():
+        with implicitly_replicated():
             return function(*args, **kwargs)
 
     return run
@@ -156,8 +159,9 @@ def _sharded_call(call, strategy):
 
     def sharded_call(inputs, *args, **kwargs):
         from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor.experimental import implicit_replication
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from kerasdist.plugin_tools import implicitly_replicated
 
         def mine(tensor):
             if not hasattr(tensor, "shape") or not len(tensor.shape) or isinstance(tensor, DTensor):
@@ -170,16 +174,18 @@ def _sharded_call(call, strategy):
 
         # attention as plain matmul/softmax ops: DTensor has no sharding strategy for the backward of CPU flash
         # attention (the fuzzer's seed 2002: a raw NotImplementedError at the first step)
-        with implicit_replication(), sdpa_kernel([SDPBackend.MATH]):
+        with implicitly_replicated(), sdpa_kernel([SDPBackend.MATH]):
             try:
                 outputs = call(keras.tree.map_structure(mine, inputs), *args, **kwargs)
             except RuntimeError as error:
-                if "unevenly sharded" not in str(error):
+                uneven = (_rows(inputs) or 0) % strategy.world_size
+                if not uneven or not any(text in str(error) for text in ("unevenly", "reshape sharded dimension")):
                     raise
                 raise KerasdistError(
                     f"distribute='fsdp' cannot run this model on a batch of {_rows(inputs)} rows over "
                     f"{strategy.world_size} ranks: a layer reshapes the rows (an EinsumDense, e.g. in "
-                    "MultiHeadAttention), which torch's DTensor cannot do with rows sharded unevenly. Use batch sizes "
+                    "MultiHeadAttention, or a recurrent layer), which torch's DTensor cannot do with rows sharded "
+                    "unevenly. Use batch sizes "
                     f"(fit's, evaluate's, predict's) and row counts divisible by {strategy.world_size}, or "
                     "distribute='data_parallel'.") from error
         return keras.tree.map_structure(
