@@ -84,15 +84,7 @@ def test_fsdp_holds_at_most_055x_of_data_parallel_bytes_per_process(runs):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("reference", ["plain", "data_parallel"])
 def test_fsdp_trains_as_the_reference_within_1e_5(runs, reference):
-    expected = load(runs[reference])
-    for rank in range(2):
-        got = load(runs["fsdp"], rank)
-        difference = max(float(np.abs(a - b).max()) for a, b in zip(weights(expected), weights(got)))
-        print(f"rank {rank}: max |w_fsdp - w_{reference}| = {difference:.3g}")
-        assert difference <= 1e-5
-        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["evaluation"], expected["evaluation"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["prediction"], expected["prediction"], rtol=1e-5, atol=1e-6)
+    _assert_trains_as(runs[reference], runs["fsdp"])
 
 
 @on_keras_315
@@ -101,14 +93,19 @@ def test_an_lstm_under_fsdp_trains_as_under_data_parallel(runs):
     """The fuzzer's seed 3004: the LSTM's zero initial state (a plain tensor) times a sharded gate is saved plain
     for the backward pass, whose product was DTensor's raw "mixed torch.Tensor and DTensor" error at the first step
     (torch's implicit_replication() inside another one turned the outer one off on its exit)."""
-    expected = load(runs["lstm_data_parallel"])
+    _assert_trains_as(runs["lstm_data_parallel"], runs["lstm"])
+
+
+def _assert_trains_as(reference, sharded):
+    """Every rank's weights, losses, evaluation and predictions of the fsdp run within 1e-5 of the reference's."""
+    expected = load(reference)
     for rank in range(2):
-        got = load(runs["lstm"], rank)
+        got = load(sharded, rank)
         difference = max(float(np.abs(a - b).max()) for a, b in zip(weights(expected), weights(got)))
-        print(f"rank {rank}: max |w_fsdp - w_data_parallel| (LSTM) = {difference:.3g}")
+        print(f"rank {rank}: max |w_fsdp - w_reference| = {difference:.3g} ({os.path.basename(reference)})")
         assert difference <= 1e-5
-        np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["prediction"], expected["prediction"], rtol=1e-5, atol=1e-6)
+        for key in ("loss", "evaluation", "prediction"):
+            np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 @on_keras_315
