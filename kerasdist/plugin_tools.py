@@ -14,7 +14,8 @@ import numbers
 import socket
 
 from ._keras_internals import (CHECKED_KERAS_VERSIONS, keras_shuffles_by_epoch, accumulate_across_replicas, all_layers,
-                               assign_state_from_first_replica, bind_model, decay_weights_outside_replicas,
+                               assign_own_state_outside_replicas, assign_state_from_first_replica, bind_model,
+                               decay_weights_outside_replicas,
                                disable_per_channel_quantization,
                                update_loss_scale_once_per_step, clip_summed_gradients,
                                set_batch_share_weighting, synchronize_batch_norm, bound_strategy, configure_coordination,
@@ -76,7 +77,7 @@ __all__ = [
     "accumulate_across_replicas", "synchronize_batch_norm", "set_batch_share_weighting", "may_split_unevenly", "all_layers", "first_array",
     "layers_by_name",
     "refresh_call_signature", "state_unlocked", "disable_per_channel_quantization",
-    "assign_state_from_first_replica", "decay_weights_outside_replicas", "update_loss_scale_once_per_step",
+    "assign_state_from_first_replica", "decay_weights_outside_replicas", "assign_own_state_outside_replicas", "update_loss_scale_once_per_step",
     "replicas_train_as_one_device",
     "mirrored_replicas_as_one_device", "read_py_datasets_in_one_processs_order",
     # the PyTorch backend

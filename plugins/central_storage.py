@@ -65,13 +65,15 @@ def kerasdist_create_strategy(spec):
 @kerasdist.hookimpl
 def kerasdist_adjust_compile(compile_kwargs, model, strategy, spec):
     """Uneven global batches, gradient accumulation, synchronized batch statistics and an optimizer's own weight decay
-    (Muon's) train as on one device."""
+    (Muon's) and state (Nadam's) train as on one device."""
     if isinstance(spec, CentralStorage):
-        from kerasdist.plugin_tools import (custom_steps_train_as_one_device, decay_weights_outside_replicas,
-                                            output_losses_weighted_by_share, replicas_train_as_one_device)
+        from kerasdist.plugin_tools import (assign_own_state_outside_replicas, custom_steps_train_as_one_device,
+                                            decay_weights_outside_replicas, output_losses_weighted_by_share,
+                                            replicas_train_as_one_device)
 
         replicas_train_as_one_device(compile_kwargs, model, strategy, spec.sync_batch_norm)
         decay_weights_outside_replicas(compile_kwargs["optimizer"])
+        assign_own_state_outside_replicas(compile_kwargs["optimizer"])
         custom_steps_train_as_one_device(model, compile_kwargs, "central_storage")
         output_losses_weighted_by_share(model)
 

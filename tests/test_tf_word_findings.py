@@ -1,6 +1,6 @@
 """Jobs the differential fuzzer found under the TensorFlow words (seeds 2001, 2002, 2007: per-output loss logs; 2005:
 a clipped sparse gradient, synchronized batch statistics over an uneven batch; 2000, 2003, 2004: a custom step under
-MultiWorkerMirroredStrategy's step, Muon under central_storage), each equal to one
+MultiWorkerMirroredStrategy's step, Muon under central_storage; 4002: Nadam under central_storage), each equal to one
 process now (tests/workers/tf_word_findings.py has each job and its figure before). One process start per word's
 launcher; multiworker's two launches and horovod's are in the extended tier (MultiWorkerMirroredStrategy's step runs mirrored's
 replica-context code; the strategy-free step's change is its metric watch counting ``sample_weight=None`` as none)."""
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow]
 
 SCRIPT = os.path.join(ROOT, "tests", "workers", "tf_word_findings.py")
 KERASDIST = os.path.join(os.path.dirname(PYTHON), "kerasdist")
-CASES = ("output-losses", "sparse-clip", "sync-bn", "own-step", "muon")
+CASES = ("output-losses", "sparse-clip", "sync-bn", "own-step", "muon", "nadam")
 
 
 def _check(output, words, ranks):

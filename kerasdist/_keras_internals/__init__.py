@@ -20,7 +20,8 @@ Keras release changes a piece. This ``__init__`` only re-exports what kerasdist'
 """
 
 from .backup import make_chief_aware_backup  # noqa: F401
-from .central import (assign_state_from_first_replica, decay_weights_outside_replicas,  # noqa: F401
+from .central import (assign_own_state_outside_replicas, assign_state_from_first_replica,  # noqa: F401
+                      decay_weights_outside_replicas,
                       update_loss_scale_once_per_step)
 from .clipping import clip_summed_gradients  # noqa: F401
 from .coordination import configure_coordination, tf_context_initialized  # noqa: F401

@@ -182,3 +182,36 @@ def decay_weights_outside_replicas(optimizer):
             return context.merge_call(lambda _strategy: own(variables))
 
         object.__setattr__(inner, "_apply_weight_decay", apply_weight_decay)
+
+
+def assign_own_state_outside_replicas(optimizer):
+    """An optimizer whose own step writes its state before the strategy's update, in replica context (Keras's
+    Nadam: ``_u_product`` in ``_backend_update_step``), writes it once, outside the replicas: the first replica's
+    value (every replica computes the same one). An ``AggregatingVariable`` refuses a replica-context write without
+    an aggregation (CentralStorageStrategy: a raw ValueError at the first step, the fuzzer's seed 4002). Writes in
+    cross-replica context (the strategy's update of every slot) are left as they are. Idempotent.
+
+    Private: ``TFOptimizer._backend_update_step`` and ``TFOptimizer.assign`` (``versions.PIECES``)."""
+    import tensorflow as tf
+
+    from .strategy_binding import optimizer_chain
+    from .versions import locate, require
+
+    require("tf_optimizer_backend_update_step", "tf_optimizer_assign")
+    keras_step = locate("tf_optimizer_backend_update_step")
+    for inner in optimizer_chain(optimizer):
+        if type(inner)._backend_update_step is keras_step or "assign" in vars(inner):
+            continue
+        own = inner.assign
+
+        def assign(variable, value, own=own):
+            context = tf.distribute.get_replica_context()
+            if context is None or context.num_replicas_in_sync == 1:
+                return own(variable, value)
+
+            def first_replicas(strategy, values):
+                return own(variable, strategy.experimental_local_results(values)[0])
+
+            return context.merge_call(first_replicas, args=(value,))
+
+        object.__setattr__(inner, "assign", assign)

@@ -99,6 +99,14 @@ PIECES = {
     "tf_optimizer_apply_weight_decay": Piece(
         "TFOptimizer._apply_weight_decay: the TensorFlow optimizers' weight decay through the strategy, left alone",
         "central_storage", _everywhere(f"{_TF_OPTIMIZER}._apply_weight_decay")),
+    "tf_optimizer_backend_update_step": Piece(
+        "TFOptimizer._backend_update_step: the TensorFlow optimizers' step (all-reduce, then the update through the "
+        "strategy); an optimizer overriding it (Nadam) writes its own state first, in replica context",
+        "central_storage", _everywhere(f"{_TF_OPTIMIZER}._backend_update_step")),
+    "tf_optimizer_assign": Piece(
+        "TFOptimizer.assign: an optimizer's write of its own variables, replaced per instance to write a replica-context "
+        "update once, outside the replicas, under CentralStorageStrategy", "central_storage",
+        _everywhere(f"{_TF_OPTIMIZER}.assign")),
     "optimizer_var_key": Piece(
         "BaseOptimizer._var_key: how an optimizer indexes its variables (re-indexed after a move)", "tf",
         _everywhere("keras.src.optimizers.base_optimizer:BaseOptimizer._var_key")),

@@ -1,4 +1,4 @@
-"""Jobs the differential fuzzer found (seeds 2000-2005), each trained with and without the word in one run.
+"""Jobs the differential fuzzer found (seeds 2000-2005, 4002), each trained with and without the word in one run.
 
     python tf_word_findings.py WORD[,WORD...]   (under the launcher the word needs: kerasdist launch, horovodrun)
 
@@ -17,6 +17,8 @@
   losses). Compares history and weights.
 - ``muon``: Keras's Muon (its own weight decay writes the model's variables inside the replicas) under
   central_storage: a raw ``ValueError: You must specify an aggregation method to update a AggregatingVariable``.
+- ``nadam``: Keras's Nadam (its step writes its ``_u_product`` inside the replicas, before the strategy's update)
+  under central_storage: the same raw ValueError (seed 4002).
 
 Prints ``CASE <case> <word> <worst relative difference> <where>``."""
 
@@ -93,12 +95,12 @@ class OwnStep(keras.Model):
         return {"loss": self.loss_tracker.result()}
 
 
-def own_step_with_muon(case, distribute):
+def own_step_or_optimizer(case, distribute):
     a = keras.Input(shape=(5,))
     h = layers.Dense(6, activation="tanh")(a)
     model = (OwnStep if case == "own-step" else keras.Model)(a, layers.Dense(1)(h))
-    model.compile(optimizer=keras.optimizers.Muon(0.02) if case == "muon" else keras.optimizers.SGD(0.05),
-                  loss="mse", distribute=distribute)
+    optimizer = {"muon": keras.optimizers.Muon(0.02), "nadam": keras.optimizers.Nadam(0.02)}.get(case)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.05), loss="mse", distribute=distribute)
     history = model.fit(x, y["aux"], batch_size=6, epochs=2, shuffle=False, verbose=0).history
     return dict(history, **{f"weights[{i}]": np.ravel(w) for i, w in enumerate(model.get_weights())})
 
@@ -107,7 +109,7 @@ def trained(case, distribute):
     keras.utils.set_random_seed(0)
     if case == "output-losses":
         return output_losses(distribute)
-    return (own_step_with_muon if case in ("own-step", "muon") else embedding_model)(case, distribute)
+    return (own_step_or_optimizer if case in ("own-step", "muon", "nadam") else embedding_model)(case, distribute)
 
 
 def worst_difference(got, want):
@@ -116,7 +118,7 @@ def worst_difference(got, want):
                for k in want)
 
 
-CASES = ("output-losses", "sparse-clip", "sync-bn", "own-step", "muon")
+CASES = ("output-losses", "sparse-clip", "sync-bn", "own-step", "muon", "nadam")
 references = {case: trained(case, None) for case in CASES}
 for word in sys.argv[1].split(","):
     for case in CASES:
