@@ -34,7 +34,7 @@ from ._keras_internals.torch import (compiled_metrics, keep_keras_from_wrapping_
                                      local_metrics_result, synchronize_torch_batch_norm)
 from ._keras_internals.training import keras_step_order_is_known, mean_state
 from ._keras_internals.training import place_batches_by
-from ._keras_internals.torch_sharding import implicitly_replicated, replace_variable_tensor
+from ._keras_internals.torch_sharding import implicitly_replicated, replace_variable_tensor, variable_tensor
 from .backend import keras_backend
 from .cluster import slurm_step_tasks
 from .devices import canonical_devices, check_device_names, check_devices_exist, local_replica_devices
@@ -84,7 +84,7 @@ __all__ = [
     "keras_wraps_ddp", "keep_keras_from_wrapping_ddp", "local_metrics_result", "keras_step_order_is_known",
     "mean_state", "compiled_metrics", "synchronize_torch_batch_norm",
     "replace_variable_tensor",
-    "implicitly_replicated",
+    "implicitly_replicated", "variable_tensor",
     # custom training steps (any backend)
     "optimizers_held_by",
     "start_first_step_check", "note_applied", "unsummed_after_first_step", "unsummed_updates_error",

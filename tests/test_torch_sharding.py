@@ -53,6 +53,7 @@ def cases(directory, words):
 #: whose fsdp must raise (last: its error cannot disturb the others)
 SHARED = {"data_parallel": ["data_parallel"], "fsdp": ["fsdp"], "saved": ["fsdp", "--save"],
           "lstm_data_parallel": ["data_parallel", "--lstm"], "lstm": ["fsdp", "--lstm"],
+          "conv_data_parallel": ["data_parallel", "--conv"], "conv": ["fsdp", "--conv"],
           "unbuilt": ["fsdp", "--unbuilt"]}
 
 
@@ -63,7 +64,7 @@ def runs(tmp_path_factory):
     outputs = launch_two(directory, None, worker=cases(directory, SHARED))
     results = {name: os.path.join(directory, name) for name in ("plain", *SHARED)}
     results["outputs"] = [output for _, output in outputs]
-    for word in ("data_parallel", "fsdp", "lstm_data_parallel", "lstm"):
+    for word in ("data_parallel", "fsdp", "lstm_data_parallel", "lstm", "conv_data_parallel", "conv"):
         for rank in range(2):
             error = os.path.join(directory, f"{word}.error-rank{rank}.txt")
             assert not os.path.exists(error), f"{word} raised on rank {rank}: {open(error).read()}\n{outputs}"
@@ -94,6 +95,15 @@ def test_an_lstm_under_fsdp_trains_as_under_data_parallel(runs):
     for the backward pass, whose product was DTensor's raw "mixed torch.Tensor and DTensor" error at the first step
     (torch's implicit_replication() inside another one turned the outer one off on its exit)."""
     _assert_trains_as(runs["lstm_data_parallel"], runs["lstm"])
+
+
+@on_keras_315
+@pytest.mark.timeout(600)
+def test_a_flatten_after_a_conv_under_fsdp_trains_as_under_data_parallel(runs):
+    """The fuzzer's seed 4000: a Dense kernel sharded by rows made DTensor shard the Flatten's 100 features instead
+    of the batch; the backward pass could not unflatten them onto a 5 x 5 x 4 map (DTensor's raw "Cannot unflatten
+    unevenly sharded tensor"). The trainable weights are now gathered for the call, as FSDP does."""
+    _assert_trains_as(runs["conv_data_parallel"], runs["conv"])
 
 
 def _assert_trains_as(reference, sharded):

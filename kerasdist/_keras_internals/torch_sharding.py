@@ -12,6 +12,13 @@ tests/test_keras_internals.py checks the flag and the nesting.
 import contextlib
 
 
+def variable_tensor(variable):
+    """The tensor the Keras ``variable`` stores (``variable.value`` casts it inside an autocast scope)."""
+    if "_value" not in variable.__dict__:
+        replace_variable_tensor(variable, None)  # the clear error
+    return variable._value
+
+
 def replace_variable_tensor(variable, tensor):
     """Make ``tensor`` (a torch Parameter, e.g. a DTensor) the storage of the Keras ``variable``."""
     if "_value" not in variable.__dict__:

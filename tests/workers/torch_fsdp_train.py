@@ -2,11 +2,12 @@
 variables) and writes, per rank, OUT-rank{r}.npz: the full weights, the losses, evaluate and predict
 results, and the bytes of weights + optimizer state this process holds.
 
-    KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt] [--save] [--lstm]
+    KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt] [--save] [--lstm | --conv]
 
 --save: ModelCheckpoint (weights only, best only) to OUT-best.weights.h5 and (whole model) to OUT.keras during fit,
 then ``model.save_weights(OUT-final.weights.h5)`` on every rank. --lstm: an LSTM before the last Dense (its zero
-initial state meets the sharded gates in the forward and the backward pass).
+initial state meets the sharded gates in the forward and the backward pass). --conv: Conv2D, Flatten (100 features
+of a 5 x 5 x 4 map) and Dense.
 """
 
 import os
@@ -38,11 +39,15 @@ def full(variable):
 
 
 def main(argv):
-    out, word, unbuilt, save, lstm = argv[0], argv[1], "--unbuilt" in argv, "--save" in argv, "--lstm" in argv
+    out, word, unbuilt, save = argv[0], argv[1], "--unbuilt" in argv, "--save" in argv
+    lstm, conv = "--lstm" in argv, "--conv" in argv
     torch.set_num_threads(1)
     keras.utils.set_random_seed(0)
     if lstm:
         model = keras.Sequential([keras.Input((4, 4)), keras.layers.LSTM(8), keras.layers.Dense(6)])
+    elif conv:
+        model = keras.Sequential([keras.Input((5, 5, 1)), keras.layers.Conv2D(4, 2, padding="same"),
+                                  keras.layers.Flatten(), keras.layers.Dense(6)])
     elif unbuilt:
         model = keras.Sequential([keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(6)])
     else:
@@ -51,8 +56,8 @@ def main(argv):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(65, 16)).astype("float32")  # 4 batches of 16 and one of 1
     y = np.tanh(x[:, :6] + rng.normal(0.0, 0.1, size=(65, 6))).astype("float32")
-    if lstm:  # 4 batches of 16: an LSTM cannot take 1 row over 2 ranks under fsdp (one KerasdistError)
-        x, y = x[:64].reshape(64, 4, 4), y[:64]
+    if lstm or conv:  # 4 batches of 16: a reshape cannot take 1 row over 2 ranks under fsdp (one KerasdistError)
+        x, y = (x[:64].reshape(64, 4, 4) if lstm else rng.normal(size=(64, 5, 5, 1)).astype("float32")), y[:64]
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
                   distribute=None if word == "none" else word)
     checkpoints = [keras.callbacks.ModelCheckpoint(f"{out}-best.weights.h5", save_best_only=True,
