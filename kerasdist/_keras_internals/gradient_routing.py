@@ -27,8 +27,9 @@ def route_gradient_all_reduce(optimizer, strategy, sum_tensors):
         object.__setattr__(inner, _GRADIENT_ALL_REDUCE_ATTR,
                            _routed_all_reduce(inner, strategy, sum_tensors, getattr(inner, _GRADIENT_ALL_REDUCE_ATTR)))
     if len(chain) > 1:
+        keras_all_reduce = getattr(chain[-1], _GRADIENT_ALL_REDUCE_ATTR).__wrapped_all_reduce__
         object.__setattr__(chain[0], _APPLY_ATTR, _sum_before_apply(chain, strategy, sum_tensors,
-                                                                   getattr(chain[0], _APPLY_ATTR)))
+                                                                   getattr(chain[0], _APPLY_ATTR), keras_all_reduce))
 
 
 def _under(strategy):
@@ -55,8 +56,9 @@ def _routed_all_reduce(optimizer, strategy, sum_tensors, keras_all_reduce):
         pairs = list(grads_and_vars)
         if not _under(strategy):
             return keras_all_reduce(pairs)
-        presummed = optimizer.__dict__.get(_PRESUMMED_ATTR, False)
-        grads = [g for g, _ in pairs] if presummed else _sum_dense([g for g, _ in pairs], sum_tensors)
+        if optimizer.__dict__.get(_PRESUMMED_ATTR, False):  # summed before the LossScaleOptimizer, sparse ones too
+            return pairs
+        grads = _sum_dense([g for g, _ in pairs], sum_tensors)
         pairs = [(g, v) for g, (_, v) in zip(grads, pairs)]
         sparse = [i for i, (g, _) in enumerate(pairs) if isinstance(g, tf.IndexedSlices)]
         if sparse:
@@ -64,14 +66,25 @@ def _routed_all_reduce(optimizer, strategy, sum_tensors, keras_all_reduce):
                 pairs[i] = pair
         return pairs
 
+    all_reduce.__wrapped_all_reduce__ = keras_all_reduce
     return all_reduce
 
 
-def _sum_before_apply(chain, strategy, sum_tensors, keras_apply):
+def _sum_before_apply(chain, strategy, sum_tensors, keras_apply, keras_all_reduce):
+    """Every gradient summed before the LossScaleOptimizer sees it: the dense ones over ``sum_tensors``, the sparse
+    ones through Keras's all-reduce (its unscaling makes them dense, and the optimizers it wraps sum nothing more:
+    an Embedding's gradient was each worker's own, the fuzzer's seed 4002 under mixed_float16)."""
+    import tensorflow as tf
+
     def apply(grads, trainable_variables=None):
         if not _under(strategy):
             return keras_apply(grads, trainable_variables)
         grads = _sum_dense(grads, sum_tensors)
+        variables = list(trainable_variables or chain[0]._trainable_variables)
+        sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            for i, (total, _) in zip(sparse, keras_all_reduce([(grads[i], variables[i]) for i in sparse])):
+                grads[i] = total
         for inner in chain[1:]:  # set while Keras traces the update (replica threads included)
             object.__setattr__(inner, _PRESUMMED_ATTR, True)
         try:

@@ -31,7 +31,9 @@ def main(word, outdir):
     y = np.full((16, 2), 1e4 if rank == 1 else 0.0, "float32")
     import tensorflow as tf
 
-    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=1, verbose=0)
+    # a static batch size (drop_remainder): MultiWorkerMirroredStrategy's step refuses mixed_float16 on batches
+    # that may split unevenly (plugins/multiworker)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True), epochs=1, verbose=0)
     np.savez(os.path.join(outdir, f"rank{rank}.npz"), scale=float(model.optimizer.dynamic_scale.numpy()),
              **{f"w{i}": w for i, w in enumerate(model.get_weights())})
     print(f"rank {rank}: done", flush=True)
