@@ -160,16 +160,21 @@ def test_a_16_bit_accuracy_may_differ_by_one_example_and_nothing_else():
     assert classify(job, want, dict(one_flip, history={"loss": [1.0], "accuracy": [0.6]}))[0] == "DEFECT: silent"
 
 
-def test_a_16_bit_difference_beyond_its_ulp_is_rounding_only_within_one_processs_own_floor():
+def test_a_difference_beyond_its_tolerance_is_rounding_only_where_its_twins_say_so():
     """Seed 3009 (mixed_bfloat16, RMSprop): every TF word 8.6e-3 from one process at predict, its float32 twin
-    1.2e-6, one process with XLA's kernels 2.3e-2 from itself: rounding, not a defect. A float32 job, a float32 twin
-    that differs, or a difference above the floor stays one."""
+    1.2e-6, one process with XLA's kernels 2.3e-2 from itself: rounding. Seed 4006 (float32, AdamW, MAE): 2.4e-5,
+    with epsilon 1e-3 6e-8: rounding. A float32 twin or an epsilon twin that differs, a difference above the floor,
+    or a float32 job without an exact epsilon twin stays a defect."""
     from fuzz.compare import within_rounding
 
-    job = {"policy": "mixed_bfloat16"}
-    assert within_rounding(job, 8.6e-3, 2.3e-2, "exact")
-    assert not within_rounding(job, 8.6e-3, 2.3e-2, "DEFECT: silent")
-    assert not within_rounding(job, 8.6e-3, 1e-3, "exact")
-    assert not within_rounding(job, 8.6e-3, None, "exact")  # torch: no floor measured
-    assert not within_rounding({"policy": "float32"}, 8.6e-3, 2.3e-2, "exact")
-
+    bf16, f32 = {"policy": "mixed_bfloat16"}, {"policy": "float32"}
+    assert within_rounding(bf16, 8.6e-3, {"floor": 2.3e-2, "float32_twin": "exact"})
+    assert not within_rounding(bf16, 8.6e-3, {"floor": 2.3e-2, "float32_twin": "DEFECT: silent"})
+    assert not within_rounding(bf16, 8.6e-3, {"floor": 1e-3, "float32_twin": "exact"})
+    assert not within_rounding(bf16, 8.6e-3, {"floor": None, "float32_twin": "exact"})  # torch: no floor measured
+    assert within_rounding(bf16, 4.7e-3, {"floor": 7e-4, "float32_twin": "exact", "epsilon_twin": "exact"})
+    assert not within_rounding(bf16, 4.7e-3, {"floor": 7e-4, "float32_twin": "DEFECT: silent", "epsilon_twin": "exact"})
+    assert within_rounding(f32, 2.4e-5, {"epsilon_twin": "exact"})
+    assert not within_rounding(f32, 2.4e-5, {"epsilon_twin": "DEFECT: silent"})
+    assert not within_rounding(f32, 2.4e-5, {"epsilon_twin": None})  # SGD: no epsilon
+    assert not within_rounding(f32, 8.6e-3, {"floor": 2.3e-2, "float32_twin": "exact"})

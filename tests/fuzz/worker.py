@@ -11,6 +11,7 @@ error (exit 3): the launcher starts the rest again.
 
 import kerasdist  # noqa: I001  first: joins a multi-worker cluster before any framework op
 
+import inspect
 import json
 import os
 import sys
@@ -31,11 +32,11 @@ def rank():
                (0 if cluster.is_local else cluster.task_index))
 
 
-def load(job, out_dir, this_rank):
+def load(job, out_dir, this_rank, tag=""):
     """The job's script, executed as a module namespace (``train`` and its helpers)."""
     folder = os.path.join(out_dir, "scripts")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"seed{job['seed']}-{job['backend']}-{job['policy']}-rank{this_rank}.py")
+    path = os.path.join(folder, f"seed{job['seed']}-{job['backend']}-{job['policy']}{tag}-rank{this_rank}.py")
     with open(path, "w") as f:
         f.write(script(job))
     namespace = {"__name__": f"fuzz_seed_{job['seed']}", "__file__": path}
@@ -59,32 +60,47 @@ def run_word(namespace, job, word, reference, out_dir, this_rank):
         return {"outcome": "DEFECT: raw error", "error": error_line(error), "seconds": time.monotonic() - began}
     outcome, worst, where = classify(job, reference, got)
     record = {"outcome": outcome, "worst": worst, "where": where}
-    if outcome == "DEFECT: silent" and job["policy"] != "float32":
+    if outcome == "DEFECT: silent":
         record.update(rounding_checks(namespace, job, word, reference, out_dir, this_rank))
-        if within_rounding(job, worst, record["floor"], record["float32_twin"]):
+        if within_rounding(job, worst, record):
             record["outcome"] = "rounding"
     return {**record, "seconds": time.monotonic() - began}
 
 
 def rounding_checks(namespace, job, word, reference, out_dir, this_rank):
-    """One process's own 16-bit rounding floor (the job with other kernels, compared with the reference) and the
-    outcome of the job's float32 twin under the word. Every rank runs them: the ranks of a word hold the same
-    weights and logs, so each reaches this point in the same job."""
-    floor = None
-    if job["backend"] in FLOOR_JIT_COMPILE:
-        try:
-            floor = worst_difference(namespace["train"](None, FLOOR_JIT_COMPILE[job["backend"]]), reference)[0]
-        except Exception as error:  # noqa: BLE001  the model has no XLA kernel: no floor, the difference stays
-            print(f"[fuzz] no rounding floor for seed {job['seed']}: {error_line(error)}", flush=True)
-    twin = dict(job, policy="float32")
-    twin_namespace = load(twin, out_dir, this_rank)
-    twin_reference = twin_namespace["train"](None)
+    """What tells rounding from a defect (compare.within_rounding): under a 16-bit policy one process's own rounding
+    floor (the job with other kernels, compared with the reference) and the job's float32 twin under the word; for
+    an optimizer with an ``epsilon``, the job's twin with epsilon 1e-3 under the word. Every rank runs them: the ranks
+    of a word hold the same weights and logs, so each reaches this point in the same job."""
+    import keras
+
+    checks = {"floor": None, "float32_twin": None, "float32_worst": None, "epsilon_twin": None, "epsilon_worst": None}
+    if job["policy"] != "float32":
+        if job["backend"] in FLOOR_JIT_COMPILE:
+            try:
+                checks["floor"] = worst_difference(namespace["train"](None, FLOOR_JIT_COMPILE[job["backend"]]),
+                                                   reference)[0]
+            except Exception as error:  # noqa: BLE001  the model has no XLA kernel: no floor, the difference stays
+                print(f"[fuzz] no rounding floor for seed {job['seed']}: {error_line(error)}", flush=True)
+        checks["float32_twin"], checks["float32_worst"] = _twin(dict(job, policy="float32"), word, out_dir, this_rank)
+    optimizer = job["optimizer"]
+    if "epsilon" in inspect.signature(getattr(keras.optimizers, optimizer["name"])).parameters:
+        options = dict(optimizer["options"], epsilon=1e-3)
+        twin = dict(job, optimizer=dict(optimizer, options=options))
+        checks["epsilon_twin"], checks["epsilon_worst"] = _twin(twin, word, out_dir, this_rank, "-epsilon")
+    return checks
+
+
+def _twin(job, word, out_dir, this_rank, tag=""):
+    """(outcome, worst difference) of ``job`` under ``word`` against its own one-process run."""
+    namespace = load(job, out_dir, this_rank, tag)
+    reference = namespace["train"](None)
     try:
-        twin_got = twin_namespace["train"](eval(word_source(word, twin), twin_namespace))  # noqa: S307
-        twin_outcome, twin_worst, _ = classify(twin, twin_reference, twin_got)
+        got = namespace["train"](eval(word_source(word, job), namespace))  # noqa: S307  our own literal
     except kerasdist.KerasdistError:
-        twin_outcome, twin_worst = "refused", None
-    return {"floor": floor, "float32_twin": twin_outcome, "float32_worst": twin_worst}
+        return "refused", None
+    outcome, worst, _ = classify(job, reference, got)
+    return outcome, worst
 
 
 def run_job(job, words, out_dir, this_rank):
