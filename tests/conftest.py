@@ -168,6 +168,10 @@ EXTENDED_HERE = {
     r"tests/test_ray\.py::test_ray_torch_trainer":
         "Ray Train's TorchTrainer beside the file's TensorFlow trainer run (extended too); torch data_parallel under "
         "kerasdist launch and torchrun in test_torch (73 s)",
+    r"tests/guides/test_guide_keras_multi_gpu\.py::":
+        "the matrix's mirrored row; test_save_load_word's restore of the guides' checkpoint on two replicas (59 s)",
+    r"tests/test_hooks\.py::test_hook_kerasdist_keras_imported$":
+        "the same hook heard at registration in this process (test_hook_kerasdist_keras_imported_is_historic) (20 s)",
     r"tests/test_plugin_loading\.py::test_keras_is_patched_and_the_cpu_split_whichever":
         "every test process imports kerasdist, then keras, then TensorFlow; test_hooks' keras_imported hook in both "
         "orders (31 s)",
