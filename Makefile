@@ -11,6 +11,8 @@ LOCK := requirements/lock.txt
 NO_DEPS_LOCK := requirements/no-deps.txt
 # The next Keras, installed beside the venv (not into it) for the keras-nightly check of `make test`.
 NIGHTLY_LOCK := requirements/keras-nightly.txt
+# scikit-learn's digits for the optimization tests, also beside the venv (requirements/test-data.in says why).
+TEST_DATA_LOCK := requirements/test-data.txt
 LOCK_PYTHON := 3.11
 LOCK_PLATFORM := x86_64-manylinux_2_28
 TOOLS := $${KERASDIST_CACHE:-$$HOME/.cache/kerasdist}/tools
@@ -32,7 +34,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test test-extended bench bench-horovod bench-torch venv lock check-lock test-latest test-keras-nightly fuzz clean
 
-$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) $(NIGHTLY_LOCK) $(UV_PIN) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
+$(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) $(NIGHTLY_LOCK) $(TEST_DATA_LOCK) $(UV_PIN) .ci/build_horovod.sh .ci/check_lock.py .ci/system_packages.sh
 	bash .ci/system_packages.sh
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	$(PY) .ci/check_lock.py --platform-only $(LOCK_PYTHON)
@@ -42,9 +44,11 @@ $(STAMP): pyproject.toml $(LOCK) $(NO_DEPS_LOCK) $(NIGHTLY_LOCK) $(UV_PIN) .ci/b
 	        $(PIP) install --require-hashes --no-deps $(FIND_LINKS) -r $$lock; } || exit 1; \
 	done
 	$(PIP) install --no-deps --no-build-isolation -e .
-	rm -rf $(VENV)/keras-nightly
-	{ test -x $(UV) && $(UV_INSTALL) --target $(VENV)/keras-nightly -r $(NIGHTLY_LOCK); } || \
-	    $(PIP) install --require-hashes --no-deps --target $(VENV)/keras-nightly -r $(NIGHTLY_LOCK)
+	for side in keras-nightly:$(NIGHTLY_LOCK) test-data:$(TEST_DATA_LOCK); do \
+	    dir=$(VENV)/$${side%%:*}; lock=$${side#*:}; rm -rf $$dir; \
+	    { test -x $(UV) && $(UV_INSTALL) --target $$dir -r $$lock; } || \
+	        $(PIP) install --require-hashes --no-deps --target $$dir -r $$lock || exit 1; \
+	done
 	if [ "$(HOROVOD)" = 1 ]; then bash .ci/build_horovod.sh $(PY); fi
 	$(PY) .ci/check_lock.py $(LOCK) $(NO_DEPS_LOCK)
 	touch $@
@@ -85,6 +89,9 @@ lock:
 	$(UV) pip compile requirements/keras-nightly.in --no-deps \
 	    --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) --generate-hashes \
 	    --custom-compile-command 'make lock' --upgrade -o $(NIGHTLY_LOCK)
+	$(UV) pip compile requirements/test-data.in --no-deps \
+	    --python-version $(LOCK_PYTHON) --python-platform $(LOCK_PLATFORM) --generate-hashes \
+	    --custom-compile-command 'make lock' --upgrade -o $(TEST_DATA_LOCK)
 
 # Not part of `make test`: the suite on the newest versions the ranges allow today, and on the
 # next Keras (keras-nightly in place of keras). Each in its own venv.
@@ -112,6 +119,8 @@ fresh-venv-test:
 	    $(VENV_X)/bin/python -m pip -q install --pre --no-deps $(KERAS_PKG); \
 	else rm -rf $(VENV_X)/keras-nightly && $(VENV_X)/bin/python -m pip -q install --require-hashes --no-deps \
 	    --target $(VENV_X)/keras-nightly -r $(NIGHTLY_LOCK); fi
+	rm -rf $(VENV_X)/test-data && $(VENV_X)/bin/python -m pip -q install --require-hashes --no-deps \
+	    --target $(VENV_X)/test-data -r $(TEST_DATA_LOCK)
 	if [ "$(HOROVOD)" = 1 ]; then $(VENV_X)/bin/python -m pip -q install setuptools wheel cloudpickle cffi && \
 	    bash .ci/build_horovod.sh $(VENV_X)/bin/python; fi
 	$(VENV_X)/bin/python -m pip freeze | grep -iE '^(keras|keras-nightly|tensorflow-cpu|jax|numpy|onnxruntime|protobuf)==' || true

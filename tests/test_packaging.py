@@ -84,3 +84,18 @@ def test_installing_the_wheel_keeps_an_installed_tensorflow(wheel, tmp_path):
     to_install = {item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"]}
     assert "kerasdist" in to_install and "keras" in to_install
     assert not {"tensorflow-cpu", "tensorflow", "tensorflow-intel"} & to_install, sorted(to_install)
+
+
+def test_the_set_up_keeps_scikit_learn_beside_the_venv_with_its_digits():
+    """Keras imports scikit-learn at every `import keras` when it is installed (1.5-2.5 s of each of the suite's
+    process starts): the set-up puts it beside the venv (requirements/test-data.in), where only its data is read."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
+    import qat_digits
+
+    assert importlib.util.find_spec("sklearn") is None, "scikit-learn is in the venv: see requirements/test-data.in"
+    x, y, x_test, y_test = qat_digits.digits()
+    assert (x.shape, x_test.shape, y.shape) == ((1400, 8, 8, 1), (397, 8, 8, 1), (1400,))
+    assert 0.0 <= x.min() and x.max() == 1.0 and sorted(set(y.tolist())) == list(range(10))

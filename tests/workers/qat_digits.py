@@ -15,14 +15,22 @@ import time
 LOSS = dict(from_logits=True)
 
 
-def digits():
-    """(x_train, y_train, x_test, y_test): a fixed shuffle, 1400 training and 397 test images in [0, 1]."""
-    import numpy as np
-    from sklearn.datasets import load_digits
+#: scikit-learn's wheel, installed beside the venv by the set-up (requirements/test-data.in)
+DIGITS_CSV = os.path.join(sys.prefix, "test-data", "sklearn", "datasets", "data", "digits.csv.gz")
 
-    data = load_digits()
-    x = (data.images[..., None] / 16.0).astype("float32")
-    y = data.target.astype("int32")
+
+def digits():
+    """(x_train, y_train, x_test, y_test): a fixed shuffle, 1400 training and 397 test images in [0, 1].
+
+    The rows of sklearn.datasets.load_digits() (64 pixels 0-16, then the label), read from its file without
+    importing scikit-learn."""
+    import numpy as np
+
+    if not os.path.exists(DIGITS_CSV):
+        raise FileNotFoundError(f"{DIGITS_CSV} is missing: `make venv` installs it (requirements/test-data.txt)")
+    data = np.loadtxt(DIGITS_CSV, delimiter=",")
+    x = (data[:, :-1].reshape(-1, 8, 8, 1) / 16.0).astype("float32")
+    y = data[:, -1].astype("int32")
     order = np.random.default_rng(0).permutation(len(x))
     x, y = x[order], y[order]
     return x[:1400], y[:1400], x[1400:], y[1400:]
