@@ -123,15 +123,19 @@ def plain_keras_overhead(args):
         model.evaluate(x, y, batch_size=256, verbose=0)
         return time.perf_counter() - start
 
-    times = {"with_kerasdist": [], "without": []}
-    once()
-    for _ in range(args.rounds):
-        times["with_kerasdist"].append(once())
+    def without():
         integration.uninstall()
         try:
-            times["without"].append(once())
+            return once()
         finally:
             integration.install()
+
+    times = {"with_kerasdist": [], "without": []}
+    once()
+    without()
+    for round_ in range(args.rounds):  # alternating who goes first, as step_times does
+        for name in (("with_kerasdist", "without") if round_ % 2 == 0 else ("without", "with_kerasdist")):
+            times[name].append(once() if name == "with_kerasdist" else without())
     with_s, without_s = statistics.median(times["with_kerasdist"]), statistics.median(times["without"])
     return {"plain_compile_fit_evaluate_s_with_kerasdist": with_s, "plain_compile_fit_evaluate_s_without": without_s}
 

@@ -130,7 +130,7 @@ EXTENDED_HERE = {
         "test_ps's two launches end their servers (20 s)",
     r"tests/test_fuzz\.py::test_a_drawn_job_trains_as_one_process_or_is_refused\[(tf_multiworker|jax_local)-":
         "the short tier's TF in-process and torch groups; the matrix's multiworker and JAX rows (80 s)",
-    r"tests/test_mirrored\.py::test_(a_py_dataset_trains_in_one_processs_shuffled_order|tutorial_flow_callbacks)":
+    r"tests/test_mirrored(_inputs)?\.py::test_(a_py_dataset_trains_in_one_processs_shuffled_order|tutorial_flow_callbacks)":
         "the matrix's mirrored / input_py_dataset cell; test_save_load_word and test_backup (96 s)",
     r"tests/test_multiworker_strategy_free\.py::test_a_loss_scale_overflow_on_one_worker_is_skipped":
         "the same overflow in test_equivalence over the TCP ring (30 s)",

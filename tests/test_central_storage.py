@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import kerasdist
-from tests.test_mirrored import (STEPS, _max_weight_difference, _mlp, _train,
-                                 check_py_datasets_train_in_one_processs_shuffled_order)
+from tests.test_mirrored import STEPS, _max_weight_difference, _mlp, _train
+from tests.test_mirrored_inputs import check_py_datasets_train_in_one_processs_shuffled_order
 
 
 def test_two_replicas_equal_one_device_after_20_sgd_steps():

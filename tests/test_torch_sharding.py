@@ -53,18 +53,20 @@ def cases(directory, words):
 #: whose fsdp must raise (last: its error cannot disturb the others)
 SHARED = {"data_parallel": ["data_parallel"], "fsdp": ["fsdp"], "saved": ["fsdp", "--save"],
           "lstm_data_parallel": ["data_parallel", "--lstm"], "lstm": ["fsdp", "--lstm"],
-          "conv_data_parallel": ["data_parallel", "--conv"], "conv": ["fsdp", "--conv"],
+          "conv_data_parallel": ["data_parallel", "--conv"], "conv": ["fsdp", "--conv"], "bn": ["fsdp", "--bn"],
           "unbuilt": ["fsdp", "--unbuilt"]}
+#: one plain process's scenarios (one start-up): the references
+PLAIN = {"plain": ["none"], "bn_plain": ["none", "--bn"]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("fsdp"))
-    run([PYTHON, WORKER, os.path.join(directory, "plain"), "none"], timeout=180, env=child_env(**torch_env()))
+    run([PYTHON, *cases(directory, PLAIN)], timeout=180, env=child_env(**torch_env()))
     outputs = launch_two(directory, None, worker=cases(directory, SHARED))
-    results = {name: os.path.join(directory, name) for name in ("plain", *SHARED)}
+    results = {name: os.path.join(directory, name) for name in (*PLAIN, *SHARED)}
     results["outputs"] = [output for _, output in outputs]
-    for word in ("data_parallel", "fsdp", "lstm_data_parallel", "lstm", "conv_data_parallel", "conv"):
+    for word in ("data_parallel", "fsdp", "lstm_data_parallel", "lstm", "conv_data_parallel", "conv", "bn"):
         for rank in range(2):
             error = os.path.join(directory, f"{word}.error-rank{rank}.txt")
             assert not os.path.exists(error), f"{word} raised on rank {rank}: {open(error).read()}\n{outputs}"
@@ -104,6 +106,15 @@ def test_a_flatten_after_a_conv_under_fsdp_trains_as_under_data_parallel(runs):
     of the batch; the backward pass could not unflatten them onto a 5 x 5 x 4 map (DTensor's raw "Cannot unflatten
     unevenly sharded tensor"). The trainable weights are now gathered for the call, as FSDP does."""
     _assert_trains_as(runs["conv_data_parallel"], runs["conv"])
+
+
+@on_keras_315
+@pytest.mark.timeout(600)
+def test_batch_normalization_under_fsdp_normalizes_with_the_global_batch_as_one_process(runs):
+    """Its rows are one sharded tensor, so the batch mean and variance are reductions over every rank's rows: the
+    moments (and the moving statistics) of one process's global batch, with no sync_batch_norm option (under
+    data_parallel each rank normalizes its own share unless sync_batch_norm=True)."""
+    _assert_trains_as(runs["bn_plain"], runs["bn"])
 
 
 def _assert_trains_as(reference, sharded):

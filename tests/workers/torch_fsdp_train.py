@@ -2,12 +2,12 @@
 variables) and writes, per rank, OUT-rank{r}.npz: the full weights, the losses, evaluate and predict
 results, and the bytes of weights + optimizer state this process holds.
 
-    KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt] [--save] [--lstm | --conv]
+    KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt] [--save] [--lstm | --conv | --bn]
 
 --save: ModelCheckpoint (weights only, best only) to OUT-best.weights.h5 and (whole model) to OUT.keras during fit,
 then ``model.save_weights(OUT-final.weights.h5)`` on every rank. --lstm: an LSTM before the last Dense (its zero
 initial state meets the sharded gates in the forward and the backward pass). --conv: Conv2D, Flatten (100 features
-of a 5 x 5 x 4 map) and Dense.
+of a 5 x 5 x 4 map) and Dense. --bn: the same with a BatchNormalization after the (bias-free) Conv2D.
 """
 
 import os
@@ -40,13 +40,16 @@ def full(variable):
 
 def main(argv):
     out, word, unbuilt, save = argv[0], argv[1], "--unbuilt" in argv, "--save" in argv
-    lstm, conv = "--lstm" in argv, "--conv" in argv
+    lstm, conv, bn = "--lstm" in argv, "--conv" in argv, "--bn" in argv
     torch.set_num_threads(1)
     keras.utils.set_random_seed(0)
     if lstm:
         model = keras.Sequential([keras.Input((4, 4)), keras.layers.LSTM(8), keras.layers.Dense(6)])
-    elif conv:
-        model = keras.Sequential([keras.Input((5, 5, 1)), keras.layers.Conv2D(4, 2, padding="same"),
+    elif conv or bn:
+        # with --bn no bias before the normalization (whose mean removes it): that bias's gradient is 0 up to
+        # rounding, which Adam turns into steps of its learning rate (3e-3 off one process; 2e-7 with epsilon 1e-3)
+        model = keras.Sequential([keras.Input((5, 5, 1)), keras.layers.Conv2D(4, 2, padding="same", use_bias=not bn),
+                                  *([keras.layers.BatchNormalization()] if bn else []),
                                   keras.layers.Flatten(), keras.layers.Dense(6)])
     elif unbuilt:
         model = keras.Sequential([keras.layers.Dense(64, activation="tanh"), keras.layers.Dense(6)])
@@ -56,7 +59,7 @@ def main(argv):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(65, 16)).astype("float32")  # 4 batches of 16 and one of 1
     y = np.tanh(x[:, :6] + rng.normal(0.0, 0.1, size=(65, 6))).astype("float32")
-    if lstm or conv:  # 4 batches of 16: a reshape cannot take 1 row over 2 ranks under fsdp (one KerasdistError)
+    if lstm or conv or bn:  # 4 batches of 16: a reshape cannot take 1 row over 2 ranks under fsdp (one KerasdistError)
         x, y = (x[:64].reshape(64, 4, 4) if lstm else rng.normal(size=(64, 5, 5, 1)).astype("float32")), y[:64]
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"],
                   distribute=None if word == "none" else word)
