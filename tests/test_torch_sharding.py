@@ -134,7 +134,9 @@ def _assert_trains_as(reference, sharded):
 def test_fsdp_checkpoints_and_save_weights_load_into_one_plain_process(runs):
     """ModelCheckpoint (weights only + best only, whole model) and model.save_weights under fsdp on 2 ranks: rank 0
     writes the full weights, which load into a plain model that predicts as the fsdp run (before: rank 1 hit
-    HDF5's file lock, rank 0 '.numpy() is not supported for tensor subclasses')."""
+    HDF5's file lock, rank 0 '.numpy() is not supported for tensor subclasses'). Whole values written into the
+    sharded weights, EarlyStopping's restore_best_weights and load_weights, keep each rank's shard of them (the
+    fuzzer's seed 5008, before: DTensor's raw "aten.copy_.default got mixed torch.Tensor and DTensor")."""
     import keras
 
     out = runs["saved"]

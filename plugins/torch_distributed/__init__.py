@@ -21,7 +21,8 @@ from kerasdist.plugin_tools import (check_choice, check_number, keep_keras_from_
                                     optimizers_held_by)
 
 from . import group, launching  # the modules that use Keras are imported by the hooks (none at plugin loading)
-from .sharding import adjust_fsdp_call, create_fsdp_group, register_fsdp, shard_model, shard_optimizer  # noqa: F401,E501  distribute="fsdp"
+from .sharding import (adjust_fsdp_call, create_fsdp_group, register_fsdp, run_fsdp_call, shard_model,  # noqa: F401
+                       shard_optimizer)  # distribute="fsdp"
 
 __all__ = ["TorchDataParallelSpec"]
 

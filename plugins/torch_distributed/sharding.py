@@ -82,6 +82,9 @@ def shard_model(model, strategy, spec):
     # the backward pass too: a plain tensor the forward mixed with a DTensor (an LSTM's zero initial state times a
     # sharded gate) is saved plain, and its gradient's product is mixed again (the fuzzer's seed 3004)
     model.train_step = _replicating(model.train_step)
+    # values written whole (EarlyStopping's restore_best_weights, a user's): each rank keeps its shard of them
+    model.set_weights = _replicating(model.set_weights)
+    model.load_weights = _replicating(model.load_weights)
     model.save = _saved_by_rank0(model, model.save, strategy)
     model.save_weights = _saved_by_rank0(model, model.save_weights, strategy)
     model.get_weights = _gathered(model, model.get_weights)
@@ -95,6 +98,20 @@ def adjust_fsdp_call(method, call_kwargs, model, strategy, spec):
     from . import callbacks
 
     callbacks.fsdp_callbacks(call_kwargs, strategy.rank, lambda model: unsharded(_held_variables(model)))
+
+
+@kerasdist.hookimpl(specname="kerasdist_run_call")
+def run_fsdp_call(method, call, call_kwargs, model, strategy, spec):
+    """Keras's own fit/evaluate/predict with plain tensors treated as replicated, callbacks included: a callback
+    writing whole values into sharded variables (EarlyStopping's restore_best_weights: the fuzzer's seed 5008,
+    DTensor's raw "aten.copy_.default got mixed torch.Tensor and DTensor" at the end of fit) keeps each rank's
+    shard of them."""
+    if not isinstance(spec, FullySharded) or strategy.mesh is None:
+        return None
+    from kerasdist.plugin_tools import implicitly_replicated
+
+    with implicitly_replicated():
+        return call(**call_kwargs)
 
 
 @kerasdist.hookimpl(specname="kerasdist_adjust_compile")

@@ -4,8 +4,9 @@ results, and the bytes of weights + optimizer state this process holds.
 
     KERAS_BACKEND=torch python torch_fsdp_train.py OUT WORD [--unbuilt] [--save] [--lstm | --conv | --bn]
 
---save: ModelCheckpoint (weights only, best only) to OUT-best.weights.h5 and (whole model) to OUT.keras during fit,
-then ``model.save_weights(OUT-final.weights.h5)`` on every rank. --lstm: an LSTM before the last Dense (its zero
+--save: ModelCheckpoint (weights only, best only) to OUT-best.weights.h5 and (whole model) to OUT.keras and
+EarlyStopping(restore_best_weights=True) during fit, then ``model.save_weights(OUT-final.weights.h5)`` and
+``model.load_weights`` of that file on every rank. --lstm: an LSTM before the last Dense (its zero
 initial state meets the sharded gates in the forward and the backward pass). --conv: Conv2D, Flatten (100 features
 of a 5 x 5 x 4 map) and Dense. --bn: the same with a BatchNormalization after the (bias-free) Conv2D.
 """
@@ -65,10 +66,12 @@ def main(argv):
                   distribute=None if word == "none" else word)
     checkpoints = [keras.callbacks.ModelCheckpoint(f"{out}-best.weights.h5", save_best_only=True,
                                                    save_weights_only=True, monitor="loss"),
-                   keras.callbacks.ModelCheckpoint(f"{out}.keras")] if save else []
+                   keras.callbacks.ModelCheckpoint(f"{out}.keras"),
+                   keras.callbacks.EarlyStopping(monitor="loss", restore_best_weights=True)] if save else []
     history = model.fit(x, y, epochs=2, batch_size=16, verbose=0, shuffle=False, callbacks=checkpoints)
     if save:
         model.save_weights(f"{out}-final.weights.h5")
+        model.load_weights(f"{out}-final.weights.h5")
     evaluation = model.evaluate(x, y, batch_size=16, verbose=0)
     prediction = np.asarray(model.predict(x[:20], batch_size=8, verbose=0))
     rank = int(os.environ.get("RANK", "0"))
