@@ -265,7 +265,8 @@ def read_py_datasets_in_one_processs_order(method, call_kwargs, word):
                 "loader. Pass a tf.data pipeline (tf.data.Dataset.range(n).map(...) reading your batches, or "
                 "from_tensor_slices), " + ("leave steps_per_epoch out or pass shuffle=False, " if steps_shuffled
                                            else "give the PyDataset workers=1 (read in order, no threads), ")
-                + ("or let multiworker train strategy-free (unset KERASDIST_STRATEGY_FREE=off; exact for PyDatasets)."
+                + ("or let multiworker train strategy-free (KERASDIST_STRATEGY_FREE unset and sync_batch_norm off; "
+                   "exact for PyDatasets)."
                    if word == "multiworker" else "or use distribute=\"multiworker\" (exact for PyDatasets)."))
 
 
