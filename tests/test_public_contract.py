@@ -88,7 +88,7 @@ def _is_submodule(name):
 def test_private_keras_and_tensorflow_api_only_in_the_internals_module(path):
     uses = private_api_uses(path)
     assert not uses, (f"{path.relative_to(ROOT)} uses private Keras/TF API {uses}; move it into "
-                      "kerasdist/_keras_internals/ (with a test in tests/test_keras_internals.py) and expose "
+                      "kerasdist/_keras_internals/ (with a test in tests/test_keras_internals*.py) and expose "
                       "what plugins need through kerasdist.plugin_tools.")
 
 

@@ -1,6 +1,6 @@
 """The one package that touches Keras/TensorFlow private attributes.
 
-Everything private lives here, one concern a module; ``tests/test_keras_internals.py`` fails loudly when a
+Everything private lives here, one concern a module; ``tests/test_keras_internals*.py`` fail loudly when a
 Keras release changes a piece. This ``__init__`` only re-exports what kerasdist's core and
 ``kerasdist.plugin_tools`` use:
 

@@ -6,7 +6,7 @@ holding this process's shard. tests/test_torch_sharding.py checks that ``value``
 
 torch's ``implicit_replication()`` sets DTensor's dispatcher flag ``_allow_implicit_replication`` (private) on,
 and off on its exit, even inside another one; :func:`implicitly_replicated` restores the flag it found.
-tests/test_keras_internals.py checks the flag and the nesting.
+tests/test_keras_internals_strategies.py checks the flag and the nesting.
 """
 
 import contextlib

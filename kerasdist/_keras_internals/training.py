@@ -275,7 +275,7 @@ def synchronize_batch_norm(model, sum_across=None):
     synchronized moments compute them. Returns the number of layers changed.
 
     Private: ``Layer._flatten_layers`` finds nested layers; ``BatchNormalization._moments`` is replaced per
-    instance for ``sum_across`` (Keras 3.15; both checked by tests/test_keras_internals.py).
+    instance for ``sum_across`` (Keras 3.15; both checked by tests/test_keras_internals_training.py).
     """
     import keras
 
