@@ -102,9 +102,9 @@ def test_a_model_quantized_by_keras_is_refused():
 
 
 def test_unsupported_layers_are_skipped_with_a_warning_or_refused_when_listed():
-    model = keras.Sequential([keras.Input((8, 2)), keras.layers.Conv1D(4, 3, padding="causal"), keras.layers.Flatten(),
-                              keras.layers.Dense(2)])
-    with pytest.warns(UserWarning, match=r"skipping 'conv1d' \(causal padding"):
+    model = keras.Sequential([keras.Input((8, 2)), keras.layers.Conv1D(4, 3, padding="causal", name="causal"),
+                              keras.layers.Flatten(), keras.layers.Dense(2)])
+    with pytest.warns(UserWarning, match=r"skipping 'causal' \(causal padding"):
         model.compile(loss="mse", optimizer="sgd", distribute=kerasdist.quantize())
     other = keras.Sequential([keras.Input((8, 2)), keras.layers.Conv1D(4, 3, padding="causal", name="c"),
                               keras.layers.Flatten(), keras.layers.Dense(2)])
