@@ -130,12 +130,13 @@ def plain_keras_overhead(args):
         finally:
             integration.install()
 
-    times = {"with_kerasdist": [], "without": []}
+    runs = {"with_kerasdist": once, "without": without}
+    times = {name: [] for name in runs}
     once()
     without()
     for round_ in range(args.rounds):  # alternating who goes first, as step_times does
-        for name in (("with_kerasdist", "without") if round_ % 2 == 0 else ("without", "with_kerasdist")):
-            times[name].append(once() if name == "with_kerasdist" else without())
+        for name in (list(runs) if round_ % 2 == 0 else list(runs)[::-1]):
+            times[name].append(runs[name]())
     with_s, without_s = statistics.median(times["with_kerasdist"]), statistics.median(times["without"])
     return {"plain_compile_fit_evaluate_s_with_kerasdist": with_s, "plain_compile_fit_evaluate_s_without": without_s}
 
